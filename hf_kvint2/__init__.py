@@ -1,0 +1,23 @@
+"""hf_kvint2: 2-bit KV-cache quantization (OSCAR and OScaR) for Hugging Face Transformers."""
+
+from .cache import OscarCache, OscarCacheBase, OscarScaledCache
+from .layers import OscarLayer
+from .quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
+from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OscarCache",
+    "OscarScaledCache",
+    "OscarCacheBase",
+    "OscarLayer",
+    "GroupLayout",
+    "LayerRecipe",
+    "oscar_recipe",
+    "oscar_scaled_recipe",
+    "quantize_int2",
+    "dequantize_int2",
+    "pack_int2",
+    "unpack_int2",
+]

@@ -1,0 +1,311 @@
+"""One cache layer: full-precision sink, INT2 body, full-precision recent window (SPEC 2).
+
+Token flow: the first ``sink_tokens`` tokens stay in the sink; later tokens enter the recent window; when the
+window holds more than ``recent_tokens`` tokens, the oldest leave it (in multiples of the recipe's demotion
+block) and are centred, rotated, optionally token-scaled and clipped, quantized to INT2 and appended to the
+body. Quantized tokens are never re-quantized. The windows keep the model's own K/V (original space, exact);
+the body keeps the transformed data.
+
+In every forward, the tokens of the current chunk are attended at full precision (what a fused prefill with
+SDPA does); earlier tokens are attended as stored.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .quant import QuantizedGroups, dequantize_int2, quantize_int2
+from .recipes import GroupLayout, LayerRecipe
+from .storage import TokenBuffer
+from .transforms import block_hadamard_matrix, check_orthogonal, clip_rows
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class QuantizedStream:
+    """The INT2 body of one of K or V: packed codes, group scales/offsets and (optionally) token norms."""
+
+    def __init__(self, layout: GroupLayout, group: int, rotation: torch.Tensor, mean: torch.Tensor | None,
+                 scale_dtype: torch.dtype):
+        self.layout, self.group, self.rotation, self.mean, self.scale_dtype = layout, group, rotation, mean, scale_dtype
+        self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
+        self.norm = TokenBuffer(1) if layout.token_scaling else None
+
+    def buffers(self) -> list[TokenBuffer]:
+        return [b for b in (self.codes, self.scale, self.lo, self.norm) if b is not None]
+
+    def transform(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Original-space x [B, H, n, D] -> (rotated, scaled, clipped float32 x, stored norms [B, n] or None)."""
+        xf = x.float()
+        if self.mean is not None:
+            xf = xf - self.mean[None, :, None, :]
+        xr = xf @ self.rotation
+        norm = None
+        if self.norm is not None:
+            # Omni-token norm over all heads and channels; divide by the *stored* (rounded) value so that
+            # multiplying back on read is exact. Zero rows (padding) keep norm 1.
+            norm = xr.square().sum(dim=(1, 3)).sqrt().to(self.scale_dtype)
+            norm = torch.where(norm.float() > 0, norm, torch.ones_like(norm))
+            xr = xr / norm.float()[:, None, :, None]
+        return clip_rows(xr, self.layout.clip), norm
+
+    def append(self, x: torch.Tensor) -> None:
+        xt, norm = self.transform(x)
+        q = quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype)
+        self.codes.append(q.codes)
+        self.scale.append(q.scale)
+        self.lo.append(q.lo)
+        if norm is not None:
+            self.norm.append(norm)
+
+    def dequantize(self, rotated: bool = False) -> torch.Tensor:
+        """Float32 body [B, H, T, D]: in the transformed space if ``rotated`` (norms applied), else original."""
+        q = QuantizedGroups(self.codes.view(), self.scale.view(), self.lo.view())
+        x = dequantize_int2(q, self.layout.axis, self.group)
+        if self.norm is not None:
+            x = x * self.norm.view().float()[:, None, :, None]
+        if rotated:
+            return x
+        x = x @ self.rotation.T
+        if self.mean is not None:
+            x = x + self.mean[None, :, None, :]
+        return x
+
+    def truncate(self, tokens: int) -> None:
+        rows = tokens // self.group if self.layout.axis == "channel" else tokens
+        self.scale.truncate(rows)
+        self.lo.truncate(rows)
+        self.codes.truncate(tokens)
+        if self.norm is not None:
+            self.norm.truncate(tokens)
+
+
+class OscarLayer(CacheLayerMixin):
+    """A transformers cache layer storing K/V as sink + INT2 body + recent window, per a :class:`LayerRecipe`."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, recipe: LayerRecipe, layer_idx: int | None = None):
+        super().__init__()
+        self.recipe = recipe
+        self.layer_idx = layer_idx
+        self._clear()
+
+    def __repr__(self):
+        r = self.recipe
+        return (f"OscarLayer(idx={self.layer_idx}, key={r.key}, value={r.value}, sink={r.sink_tokens}, "
+                f"recent={r.recent_tokens}, seq_len={self.seq_len})")
+
+    # ------------------------------------------------------------------ state
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self.sink_k = self.sink_v = self.recent_k = self.recent_v = None
+        self.key_body: QuantizedStream | None = None
+        self.value_body: QuantizedStream | None = None
+        self.body_len = 0
+        self.seq_len = 0
+
+    @property
+    def _name(self) -> str:
+        return f"layer {self.layer_idx}" if self.layer_idx is not None else "this cache layer"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        r = self.recipe
+        self.batch_size, self.num_heads, self.head_dim = b, h, d
+        self.dtype, self.device = key_states.dtype, key_states.device
+        streams = []
+        for kind, layout, rot, mean in (("key", r.key, r.key_rotation, r.key_mean),
+                                        ("value", r.value, r.value_rotation, r.value_mean)):
+            if rot is None:
+                rot = block_hadamard_matrix(d, r.hadamard_block, torch.float32, self.device)
+            else:
+                if tuple(rot.shape) != (d, d):
+                    raise ValueError(f"The {kind} rotation of {self._name} is {tuple(rot.shape)} but the model's "
+                                     f"head_dim is {d}: the calibration artifact does not match this model.")
+                check_orthogonal(rot, f"The {kind} rotation of {self._name}")
+                rot = rot.to(device=self.device, dtype=torch.float32)
+            if mean is not None:
+                if tuple(mean.shape) != (h, d):
+                    raise ValueError(f"The {kind} mean of {self._name} is {tuple(mean.shape)}, expected "
+                                     f"(kv_heads={h}, head_dim={d}): the calibration does not match this model.")
+                mean = mean.to(device=self.device, dtype=torch.float32)
+            group = layout.group_for(d)
+            if layout.axis == "token" and d % group:
+                raise ValueError(f"head_dim={d} is not a multiple of the {kind} group size {group}; "
+                                 f"use a group size dividing {d}.")
+            streams.append(QuantizedStream(layout, group, rot, mean, r.scale_dtype))
+        self.key_body, self.value_body = streams
+        empty = key_states.new_empty(b, h, 0, d)
+        self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
+        self.is_initialized = True
+
+    def _validate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        where = self._name
+        if k.dim() != 4 or v.dim() != 4:
+            raise ValueError(f"{where}: expected key/value states of rank 4 [batch, kv_heads, tokens, head_dim], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}.")
+        if k.shape != v.shape:
+            raise ValueError(f"{where}: key states {tuple(k.shape)} and value states {tuple(v.shape)} differ in shape.")
+        if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:
+            raise ValueError(f"{where}: unsupported K/V dtype {k.dtype}/{v.dtype}; use one of {SUPPORTED_DTYPES}.")
+        d = k.shape[-1]
+        if d % 4:
+            raise ValueError(f"{where}: head_dim={d} is not supported; INT2 packing needs a multiple of 4.")
+        if self.is_initialized:
+            b, h, _, d = k.shape
+            if (b, h, d) != (self.batch_size, self.num_heads, self.head_dim):
+                raise ValueError(
+                    f"{where}: got K/V with batch={b}, kv_heads={h}, head_dim={d} but the cache holds batch="
+                    f"{self.batch_size}, kv_heads={self.num_heads}, head_dim={self.head_dim}. Call cache.reset() "
+                    "(or use a new cache) for a different model or batch.")
+            if k.dtype != self.dtype:
+                raise ValueError(f"{where}: K/V dtype changed from {self.dtype} to {k.dtype}; reset the cache first.")
+        if self.recipe.check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
+                             "(check the model's dtype: fp16 overflow is a common cause).")
+
+    # ------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._validate(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[-2]
+        to_sink = min(max(self.recipe.sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
+            self.recent_k.shape[-2] == 0 else 0
+        if to_sink:
+            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sink]], dim=-2)
+            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sink]], dim=-2)
+        if n_new > to_sink:
+            self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sink:]], dim=-2)
+            self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sink:]], dim=-2)
+        self._demote()
+        self.seq_len += n_new
+        return self._full_precision_view(key_states, value_states)
+
+    def _demote(self) -> None:
+        overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
+        block = self.recipe.demotion_block
+        n = (overflow // block) * block if overflow > 0 else 0
+        if n <= 0:
+            return
+        self.key_body.append(self.recent_k[:, :, :n])
+        self.value_body.append(self.recent_v[:, :, :n])
+        self.recent_k = self.recent_k[:, :, n:]
+        self.recent_v = self.recent_v[:, :, n:]
+        self.body_len += n
+
+    def dequantized_body(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body's K/V in the original space and the model dtype, [B, H, body_len, D]."""
+        if self.body_len == 0:
+            return self.sink_k[:, :, :0], self.sink_v[:, :, :0]
+        return (self.key_body.dequantize().to(self.dtype), self.value_body.dequantize().to(self.dtype))
+
+    def _full_precision_view(self, key_states, value_states):
+        """Portable path: every stored token (body dequantized), with the current chunk at full precision."""
+        bk, bv = self.dequantized_body()
+        keys = torch.cat([self.sink_k, bk, self.recent_k], dim=-2)
+        values = torch.cat([self.sink_v, bv, self.recent_v], dim=-2)
+        n_new = key_states.shape[-2]
+        if n_new > self.recent_k.shape[-2] and self.body_len:  # part of the chunk was quantized already
+            keys = torch.cat([keys[:, :, :-n_new], key_states], dim=-2)
+            values = torch.cat([values[:, :, :-n_new], value_states], dim=-2)
+        return keys, values
+
+    # ------------------------------------------------------------------ transformers contract
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``-tokens_to_remove`` tokens (a positive value is the legacy target length).
+
+        Kept tokens keep their stored form; tokens that were demoted meanwhile stay quantized. A cut inside a
+        token-grouped block dequantizes the block's kept tokens back into the recent window so that the body
+        stays block-aligned.
+        """
+        if not self.is_initialized or tokens_to_remove == 0:
+            return
+        target = self.seq_len + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+        target = max(target, 0)
+        if target >= self.seq_len:
+            return
+        n_sink = self.sink_k.shape[-2]
+        if target <= n_sink:
+            self.sink_k, self.sink_v = self.sink_k[:, :, :target], self.sink_v[:, :, :target]
+            self._truncate_body(0)
+            self.recent_k, self.recent_v = self.recent_k[:, :, :0], self.recent_v[:, :, :0]
+        elif target <= n_sink + self.body_len:
+            keep = target - n_sink
+            block = self.recipe.demotion_block
+            aligned = (keep // block) * block
+            if aligned < keep:
+                bk, bv = self.dequantized_body()
+                self.recent_k, self.recent_v = bk[:, :, aligned:keep], bv[:, :, aligned:keep]
+            else:
+                self.recent_k, self.recent_v = self.recent_k[:, :, :0], self.recent_v[:, :, :0]
+            self._truncate_body(aligned)
+        else:
+            keep = target - n_sink - self.body_len
+            self.recent_k, self.recent_v = self.recent_k[:, :, :keep], self.recent_v[:, :, :keep]
+        self.seq_len = target
+
+    def _truncate_body(self, tokens: int) -> None:
+        self.key_body.truncate(tokens)
+        self.value_body.truncate(tokens)
+        self.body_len = tokens
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
+        self.recent_k, self.recent_v = fn(self.recent_k), fn(self.recent_v)
+        for stream in (self.key_body, self.value_body):
+            for buf in stream.buffers():
+                buf.map_(fn)
+        self.batch_size = self.sink_k.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self):
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized and self.sink_k.device != self.device:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes actually held, by kind; ``elements`` counts the K and V elements they represent."""
+        out = {"codes": 0, "scales": 0, "norms": 0, "full_precision": 0, "elements": 0, "allocated": 0}
+        if not self.is_initialized:
+            return out
+        for t in (self.sink_k, self.sink_v, self.recent_k, self.recent_v):
+            out["full_precision"] += t.numel() * t.element_size()
+        for stream in (self.key_body, self.value_body):
+            out["codes"] += stream.codes.nbytes
+            out["scales"] += stream.scale.nbytes + stream.lo.nbytes
+            if stream.norm is not None:
+                out["norms"] += stream.norm.nbytes
+            out["allocated"] += sum(b.allocated_bytes for b in stream.buffers())
+        out["allocated"] += out["full_precision"]
+        out["elements"] = 2 * self.batch_size * self.num_heads * self.head_dim * self.seq_len
+        return out

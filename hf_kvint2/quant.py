@@ -1,0 +1,103 @@
+"""Asymmetric INT2 quantization: group statistics, quantize/dequantize, and 4-codes-per-byte packing.
+
+Tensors are laid out as transformers caches them, ``[batch, kv_heads, tokens, head_dim]``. Two group axes:
+
+* ``"token"``   - one group per token over ``group_size`` consecutive channels (scales ``[B, H, T, D // G]``);
+* ``"channel"`` - one group per channel over ``group_size`` consecutive tokens (scales ``[B, H, T // G, D]``).
+
+Codes are always packed along the channel axis: byte ``j`` of a token holds channels ``4j .. 4j+3`` as
+``c0 | c1 << 2 | c2 << 4 | c3 << 6`` (channel ``4j`` in the two least significant bits). The kernels and the
+exported graphs rely on this order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+AXES = ("token", "channel")
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SHIFTS = (0, 2, 4, 6)
+
+
+class QuantizedGroups(NamedTuple):
+    """Packed INT2 codes ``[B, H, T, D // 4]`` with the ``scale`` and ``lo`` of every group."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    lo: torch.Tensor
+
+
+def pack_int2(codes: torch.Tensor) -> torch.Tensor:
+    """Pack integer codes in ``[0, 3]`` four per byte along the last dimension (which must be a multiple of 4)."""
+    if codes.shape[-1] % 4:
+        raise ValueError(f"pack_int2 needs a last dimension divisible by 4, got {codes.shape[-1]}.")
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int2`: ``[..., n]`` bytes to ``[..., 4n]`` codes (uint8 in ``[0, 3]``)."""
+    parts = [(packed >> s) & 3 for s in _SHIFTS]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+
+
+def _grouped(x: torch.Tensor, axis: str, group_size: int) -> tuple[torch.Tensor, int]:
+    """View ``x`` [B, H, T, D] with one group per reduction over the returned dim."""
+    b, h, t, d = x.shape
+    if axis == "token":
+        return x.reshape(b, h, t, d // group_size, group_size), -1
+    return x.reshape(b, h, t // group_size, group_size, d), -2
+
+
+def _check_group_shape(shape: torch.Size, axis: str, group_size: int) -> None:
+    if axis not in AXES:
+        raise ValueError(f"Unknown group axis {axis!r}; use one of {AXES}.")
+    extent = shape[-1] if axis == "token" else shape[-2]
+    what = "head_dim" if axis == "token" else "token count"
+    if group_size <= 0 or extent % group_size:
+        raise ValueError(f"The {what} ({extent}) is not a multiple of the group size ({group_size}) for '{axis}' groups.")
+    if shape[-1] % 4:
+        raise ValueError(f"head_dim ({shape[-1]}) must be a multiple of 4 to pack four INT2 codes per byte.")
+
+
+def quantize_int2(
+    x: torch.Tensor, axis: str, group_size: int, scale_dtype: torch.dtype = torch.float16
+) -> QuantizedGroups:
+    """Asymmetric 4-level quantization of ``x`` [B, H, T, D] over groups along ``axis``.
+
+    ``scale`` and ``lo`` are rounded to ``scale_dtype`` *before* the codes are chosen, so that dequantization with
+    the stored values has error at most ``scale / 2`` plus the rounding of ``lo``. A constant group gets scale 0
+    and code 0 (no division by zero) and comes back as ``lo`` exactly.
+    """
+    _check_group_shape(x.shape, axis, group_size)
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}.")
+    xf = x.float()
+    g, dim = _grouped(xf, axis, group_size)
+    lo = g.amin(dim=dim, keepdim=True)
+    scale = (g.amax(dim=dim, keepdim=True) - lo) / 3
+    if scale_dtype is torch.float16:
+        # Both the range and the offset must fit in fp16; say so instead of storing inf.
+        biggest = torch.maximum(lo.abs().amax(), scale.amax() * 3)
+        if biggest > torch.finfo(torch.float16).max:
+            raise ValueError(
+                f"Values up to {biggest.item():.4g} do not fit fp16 scales; pass scale_dtype=torch.bfloat16 "
+                "or torch.float32 to the cache."
+            )
+    lo_s = lo.to(scale_dtype)
+    scale_s = scale.to(scale_dtype)
+    sf = scale_s.float()
+    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
+    codes = torch.where(sf > 0, torch.round((g - lo_s.float()) / safe), torch.zeros_like(g)).clamp_(0, 3)
+    codes = codes.reshape(x.shape)
+    return QuantizedGroups(pack_int2(codes), scale_s.squeeze(dim), lo_s.squeeze(dim))
+
+
+def dequantize_int2(q: QuantizedGroups, axis: str, group_size: int) -> torch.Tensor:
+    """Float32 reconstruction ``code * scale + lo`` of :func:`quantize_int2`'s output, shape [B, H, T, D]."""
+    codes = unpack_int2(q.codes).float()
+    g, dim = _grouped(codes, axis, group_size)
+    out = g * q.scale.float().unsqueeze(dim) + q.lo.float().unsqueeze(dim)
+    return out.reshape(codes.shape)

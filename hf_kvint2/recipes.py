@@ -1,0 +1,128 @@
+"""OSCAR and OScaR as settings of one engine: how a layer transforms, groups and windows its K/V."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .quant import AXES, SCALE_DTYPES
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """How one of K or V is quantized in the INT2 body.
+
+    axis: ``"token"`` groups ``group_size`` channels of one token (capped at head_dim); ``"channel"`` groups
+        ``group_size`` tokens of one channel (KIVI-style keys), so tokens leave the full-precision window in
+        blocks of ``group_size``.
+    clip: clamp each rotated row to its ``clip`` quantile of ``|x|`` before quantizing (None: no clipping).
+    token_scaling: divide each token by its norm over all KV heads and channels of the layer (OScaR's
+        omni-token scaling) and store the norm.
+    """
+
+    axis: str = "token"
+    group_size: int = 128
+    clip: float | None = None
+    token_scaling: bool = False
+
+    def __post_init__(self):
+        if self.axis not in AXES:
+            raise ValueError(f"GroupLayout.axis must be one of {AXES}, got {self.axis!r}.")
+        if not isinstance(self.group_size, int) or self.group_size <= 0:
+            raise ValueError(f"GroupLayout.group_size must be a positive int, got {self.group_size!r}.")
+        if self.clip is not None and not (0.0 < self.clip <= 1.0):
+            raise ValueError(f"Clip ratio must be in (0, 1], got {self.clip}.")
+
+    def group_for(self, head_dim: int) -> int:
+        """The group size actually used: per-token groups never exceed head_dim (SPEC: G = min(128, d))."""
+        return min(self.group_size, head_dim) if self.axis == "token" else self.group_size
+
+
+@dataclass
+class LayerRecipe:
+    """Everything one cache layer needs; the two cache classes only differ in the recipes they build."""
+
+    key: GroupLayout
+    value: GroupLayout
+    sink_tokens: int = 0
+    recent_tokens: int = 128
+    scale_dtype: torch.dtype = torch.float16
+    key_rotation: torch.Tensor | None = None  # [d, d] orthogonal; None: (block) Hadamard
+    value_rotation: torch.Tensor | None = None
+    hadamard_block: int | None = None
+    key_mean: torch.Tensor | None = None  # [kv_heads, d], subtracted before the rotation (lossless centering)
+    value_mean: torch.Tensor | None = None
+    check_finite: bool = True
+    extra: dict = field(default_factory=dict)  # free-form provenance (e.g. the calibrated layout name)
+
+    def __post_init__(self):
+        for name in ("sink_tokens", "recent_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}.")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype}.")
+
+    @property
+    def demotion_block(self) -> int:
+        """Tokens leave the recent window in multiples of this (1 unless a layout groups along tokens)."""
+        blocks = [lay.group_size for lay in (self.key, self.value) if lay.axis == "channel"]
+        return math.lcm(*blocks) if blocks else 1
+
+    def with_overrides(self, **kw) -> "LayerRecipe":
+        return replace(self, **kw)
+
+
+def oscar_scaled_recipe(
+    *,
+    sink_tokens: int = 0,
+    recent_tokens: int = 128,
+    group_size: int = 32,
+    key_group_size: int | None = None,
+    value_group_size: int | None = None,
+    hadamard_block: int | None = None,
+    token_scaling: bool = True,
+    scale_dtype: torch.dtype = torch.float16,
+) -> LayerRecipe:
+    """OScaR (SPEC 4): block Hadamard, keys per channel over token groups with omni-token scaling, values per
+    token over channel groups, a full-precision residual flushed in whole blocks. Data-free."""
+    return LayerRecipe(
+        key=GroupLayout("channel", key_group_size or group_size, None, token_scaling),
+        value=GroupLayout("token", value_group_size or group_size, None, False),
+        sink_tokens=sink_tokens,
+        recent_tokens=recent_tokens,
+        scale_dtype=scale_dtype,
+        hadamard_block=hadamard_block,
+    )
+
+
+def oscar_recipe(
+    *,
+    key_rotation: torch.Tensor | None = None,
+    value_rotation: torch.Tensor | None = None,
+    k_clip: float | None = 0.96,
+    v_clip: float | None = 0.92,
+    sink_tokens: int = 64,
+    recent_tokens: int = 256,
+    group_size: int = 128,
+    key_mean: torch.Tensor | None = None,
+    value_mean: torch.Tensor | None = None,
+    key_layout: GroupLayout | None = None,
+    value_layout: GroupLayout | None = None,
+    scale_dtype: torch.dtype = torch.float16,
+) -> LayerRecipe:
+    """OSCAR (SPEC 3): rotation (calibrated ``U H P`` or Hadamard), row clipping, per-token INT2 over
+    ``min(group_size, d)`` channels, full-precision sink and recent windows."""
+    return LayerRecipe(
+        key=key_layout or GroupLayout("token", group_size, k_clip, False),
+        value=value_layout or GroupLayout("token", group_size, v_clip, False),
+        sink_tokens=sink_tokens,
+        recent_tokens=recent_tokens,
+        scale_dtype=scale_dtype,
+        key_rotation=key_rotation,
+        value_rotation=value_rotation,
+        key_mean=key_mean,
+        value_mean=value_mean,
+    )

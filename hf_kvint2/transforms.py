@@ -1,0 +1,103 @@
+"""Orthogonal transforms applied to keys/values before quantization, and row clipping.
+
+Every transform is a ``d x d`` orthogonal matrix ``R`` applied on the right (``x' = x @ R``), so the same code
+serves the data-free Hadamard (OScaR), its block-diagonal variant and OSCAR's calibrated spectral rotation
+``R = U @ H @ P``. Scores are invariant: ``q . k = (q R) . (k R)``; outputs de-rotate once: ``(sum p v') R^T``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Normalised Sylvester Hadamard matrix of size ``d`` (a power of two): symmetric and orthogonal."""
+    if not is_power_of_two(d):
+        raise ValueError(
+            f"A Hadamard rotation needs a power-of-two size, got {d}. For a head_dim that is not a power of two, "
+            f"pass hadamard_block=<a power of two dividing head_dim> (largest here: {largest_pow2_divisor(d)}), "
+            "or give OscarCache calibrated rotations (any head_dim divisible by 4)."
+        )
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(dtype=dtype, device=device)
+
+
+def largest_pow2_divisor(d: int) -> int:
+    return d & -d if d > 0 else 0
+
+
+def block_hadamard_matrix(d: int, block: int | None = None, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Block-diagonal normalised Hadamard (OScaR's canalized rotation); ``block=None`` means one block of ``d``."""
+    block = d if block is None else block
+    if not is_power_of_two(block) or d % block:
+        raise ValueError(
+            f"hadamard_block={block} must be a power of two dividing head_dim={d} "
+            f"(valid: {[2**i for i in range(1, 16) if d % 2**i == 0]})."
+        )
+    h = hadamard_matrix(block, torch.float64)
+    return torch.block_diag(*[h] * (d // block)).to(dtype=dtype, device=device)
+
+
+def bit_reversal_permutation(d: int) -> torch.Tensor:
+    """``perm[i]`` = ``i`` with its ``log2(d)`` bits reversed."""
+    bits = int(math.log2(d))
+    return torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)], dtype=torch.long)
+
+
+def spectral_rotation(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OSCAR's rotation ``R = U H P`` from a metric ``sigma`` (d x d, float64 recommended).
+
+    ``U`` holds the eigenvectors sorted by descending eigenvalue; ``H`` mixes them; ``P`` sends eigen-direction
+    ``i`` (i-th largest) to bit-reversed position ``rev(i)``, which spreads high-variance directions evenly over
+    quantization groups. Returns ``(R, eigenvalues_descending)``.
+    """
+    d = sigma.shape[-1]
+    if sigma.shape != (d, d):
+        raise ValueError(f"The calibration metric must be square, got shape {tuple(sigma.shape)}.")
+    s = sigma.double()
+    evals, evecs = torch.linalg.eigh((s + s.T) / 2)
+    order = torch.argsort(evals, descending=True)
+    evals, evecs = evals[order], evecs[:, order]
+    perm = torch.zeros(d, d, dtype=torch.float64)
+    perm[torch.arange(d), bit_reversal_permutation(d)] = 1.0
+    return evecs @ hadamard_matrix(d, torch.float64) @ perm, evals
+
+
+def check_orthogonal(r: torch.Tensor, name: str, atol: float = 1e-4) -> None:
+    """Raise if ``r`` is not a finite square orthogonal matrix."""
+    if r.dim() != 2 or r.shape[0] != r.shape[1]:
+        raise ValueError(f"{name} must be a square matrix, got shape {tuple(r.shape)}.")
+    if not torch.isfinite(r).all():
+        raise ValueError(f"{name} contains NaN or Inf.")
+    rd = r.double()
+    err = (rd @ rd.T - torch.eye(r.shape[0], dtype=torch.float64, device=r.device)).abs().max().item()
+    if err > atol:
+        raise ValueError(f"{name} is not orthogonal (max |R R^T - I| = {err:.3g} > {atol}).")
+
+
+def row_quantile(a: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Linear-interpolated ``ratio`` quantile of each row of ``a`` (last dim), like ``torch.quantile`` but with
+    no size limit."""
+    d = a.shape[-1]
+    srt = a.sort(dim=-1).values
+    pos = ratio * (d - 1)
+    i0 = int(math.floor(pos))
+    i1 = min(i0 + 1, d - 1)
+    frac = pos - i0
+    return srt[..., i0 : i0 + 1] * (1 - frac) + srt[..., i1 : i1 + 1] * frac
+
+
+def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
+    """Clamp each row (last dim) to ``[-tau, tau]``, ``tau`` the ``ratio`` quantile of ``|row|``."""
+    if ratio is None or ratio >= 1.0:
+        return x
+    tau = row_quantile(x.abs(), ratio)
+    return torch.minimum(torch.maximum(x, -tau), tau)

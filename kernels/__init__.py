@@ -1,0 +1,1 @@
+"""Triton kernels for hf_kvint2 (installed as ``hf_kvint2.kernels``)."""
