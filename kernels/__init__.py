@@ -1,1 +1,127 @@
-"""Triton kernels for hf_kvint2 (installed as ``hf_kvint2.kernels``)."""
+"""Triton kernels for hf_kvint2 (installed as ``hf_kvint2.kernels``), with their PyTorch references.
+
+Two kernels, both optional (``pip install hf-kvint2[triton]``) and used for CUDA tensors only:
+
+* :func:`quantize_tokens` - fused centre -> rotate -> omni-token norm -> row clip -> INT2 quantize -> pack of new
+  tokens, producing exactly what :meth:`hf_kvint2.layers.QuantizedStream.append` stores (``QuantizedGroups`` in
+  the layout of :mod:`hf_kvint2.quant`, plus the token norms ``[B, n]`` or None). Codes equal
+  ``quantize_int2(stream.transform(x))`` except where a value sits on a rounding tie (the rotation sums in a
+  different order).
+* :func:`body_attention` - split-K decode attention of rotated queries over a layer's packed INT2 body, every
+  layout the caches store (per-token or per-channel groups, any group size, token norms on K or V, centred keys),
+  GQA-aware: one program reads each code once for all query heads of its KV head. Returns the body's partial
+  result ``(out_rot, lse)``: the softmax-normalised output *in the rotated value space* (without the value
+  mean) and the log-sum-exp of the body's scores, so a caller merges segments with :func:`merge_partials` and
+  de-rotates once: ``out = out_rot @ R_V.T + mu_V``.
+* :func:`layer_decode_attention` - a whole decode step of one :class:`~hf_kvint2.layers.OscarLayer`: rotate q,
+  body kernel, de-rotate, full-precision sink/recent segments, log-sum-exp merge. Same result as SDPA over the
+  layer's dequantized cache (see :func:`reference_layer_attention`).
+
+Scores follow SDPA: ``s = scaling * q.k + mask`` (bool mask: True attends; float mask: added). For the body,
+``q.k = (q R_K).k_rot + q.mu_K`` with ``k_rot = (code * scale + lo) * norm`` in fp32.
+
+Triton picks interpreter or compiler when a kernel module is *imported*; this package imports the kernel modules
+lazily, so ``TRITON_INTERPRET=1`` set before the first kernel call runs them on CPU tensors (the tests do that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .reference import (
+    merge_partials,
+    reference_body_attention,
+    reference_layer_attention,
+    reference_quantize_tokens,
+)
+
+__all__ = [
+    "triton_available",
+    "kernels_enabled_for",
+    "quantize_tokens",
+    "quantize_stream",
+    "body_attention",
+    "layer_decode_attention",
+    "merge_partials",
+    "reference_body_attention",
+    "reference_layer_attention",
+    "reference_quantize_tokens",
+]
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels_enabled_for(t: torch.Tensor) -> bool:
+    """Whether the automatic dispatch should use the Triton kernels for tensor ``t``: CUDA tensor and Triton
+    installed. (Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors when called directly, but the
+    library never dispatches CPU tensors to the slow interpreter.)"""
+    return t.is_cuda and triton_available()
+
+
+def _require_triton():
+    if not triton_available():
+        raise ImportError("The hf_kvint2 Triton kernels need Triton: pip install 'hf-kvint2[triton]' (or 'triton>=3.2').")
+
+
+def quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype):
+    """Transform and quantize new tokens ``x`` [B, H, n, D] (original space) in one kernel.
+
+    rotation: [D, D] (fp32), mean: [H, D] or None, axis: "token" | "channel", group_size: the group actually used
+    (``GroupLayout.group_for(D)``), clip: row-quantile ratio or None, token_scaling: divide by the omni-token norm.
+    Returns ``(QuantizedGroups(codes, scale, lo), norm [B, n] or None)``.
+    """
+    _require_triton()
+    from .quantize_pack import quantize_tokens as impl
+
+    return impl(x, rotation, mean, axis=axis, group_size=group_size, clip=clip, token_scaling=token_scaling,
+                scale_dtype=scale_dtype)
+
+
+def quantize_stream(stream, x):
+    """:func:`quantize_tokens` with the settings of a :class:`~hf_kvint2.layers.QuantizedStream`."""
+    lay = stream.layout
+    return quantize_tokens(x, stream.rotation, stream.mean, axis=lay.axis, group_size=stream.group, clip=lay.clip,
+                           token_scaling=lay.token_scaling, scale_dtype=stream.scale_dtype)
+
+
+def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None,
+                   num_splits=None):
+    """Partial attention of rotated queries over a layer's INT2 body.
+
+    q_rot: [B, Hq, Lq, D], the queries already rotated by the key rotation (``q.float() @ R_K``).
+    key_body / value_body: the layer's :class:`~hf_kvint2.layers.QuantizedStream` objects.
+    n_tokens: attend body tokens ``[0, n_tokens)`` (default: all).
+    key_mean_logits: [B, Hq, Lq], ``q . mu_K`` (unscaled, original-space q) for centred keys, else None.
+    mask: None, or bool (True attends) / additive float, broadcastable to [B, 1, Lq, n_tokens] (body columns).
+    Returns ``(out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``; rows with no attended token get
+    ``out_rot = 0`` and ``lse = -inf``.
+    """
+    _require_triton()
+    from .decode_attention import body_attention as impl
+
+    return impl(q_rot, key_body, value_body, n_tokens=n_tokens, scaling=scaling, key_mean_logits=key_mean_logits,
+                mask=mask, num_splits=num_splits)
+
+
+def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_splits=None):
+    """Attention of ``query`` [B, Hq, Lq, D] (original space, post-RoPE) over everything ``layer`` holds, after the
+    layer's ``update()`` with this step's K/V (which must all still be in the full-precision windows).
+
+    attention_mask: None (then the last Lq keys are causal among themselves, bottom-right aligned), or bool / additive
+    float [B, 1, Lq, >= seq_len] over the layer's token order (sink, body, recent), like SDPA's.
+    Returns [B, Hq, Lq, D] in ``query.dtype`` (SDPA's layout, not transposed).
+    """
+    _require_triton()
+    from .decode_attention import layer_decode_attention as impl
+
+    return impl(query, layer, scaling=scaling, attention_mask=attention_mask, num_splits=num_splits)
