@@ -1,0 +1,182 @@
+"""Properties of the INT2 quantization core (SPEC 2): error bound, exact cases, packing, bad input."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from hf_kvint2 import OscarLayer, OscarScaledCache, dequantize_int2, pack_int2, quantize_int2, unpack_int2
+from hf_kvint2.recipes import oscar_recipe
+
+SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+@st.composite
+def grouped_tensors(draw, max_abs=1e4):
+    """A [B, H, T, D] float32 tensor with a group axis and a group size that tiles it."""
+    axis = draw(st.sampled_from(["token", "channel"]))
+    group = draw(st.sampled_from([4, 8, 16]))
+    b, h = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    d = draw(st.sampled_from([4, 8, 16, 32])) if axis == "channel" else group * draw(st.integers(1, 3))
+    t = draw(st.integers(1, 5)) if axis == "token" else group * draw(st.integers(1, 3))
+    elements = st.floats(-max_abs, max_abs, allow_nan=False, allow_infinity=False, width=32)
+    x = draw(arrays(np.float32, (b, h, t, d), elements=elements))
+    return torch.from_numpy(x), axis, group
+
+
+def _group_stats(x, axis, group):
+    """Reference lo/scale per element (float32, unrounded), computed independently of the library."""
+    b, h, t, d = x.shape
+    if axis == "token":
+        g = x.reshape(b, h, t, d // group, group)
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    else:
+        g = x.reshape(b, h, t // group, group, d)
+        lo, hi = g.amin(-2, keepdim=True), g.amax(-2, keepdim=True)
+    return lo.expand_as(g).reshape(x.shape), ((hi - lo) / 3).expand_as(g).reshape(x.shape)
+
+
+def _expand_stored(q, x, axis, group, which):
+    """Broadcast a stored per-group tensor (q.scale or q.lo) back to x's shape, as float32."""
+    s = getattr(q, which).float()
+    if axis == "token":
+        return s.repeat_interleave(group, dim=-1)
+    return s.repeat_interleave(group, dim=-2)
+
+
+@settings(max_examples=150, deadline=None)
+@given(grouped_tensors(), st.sampled_from(SCALE_DTYPES))
+def test_error_bounded_by_half_scale_plus_storage_rounding(case, scale_dtype):
+    x, axis, group = case
+    if scale_dtype is torch.float16 and x.abs().max() > 6e4:
+        return  # covered by test_fp16_scale_overflow_is_an_error
+    q = quantize_int2(x, axis, group, scale_dtype)
+    xhat = dequantize_int2(q, axis, group)
+    assert xhat.shape == x.shape and torch.isfinite(xhat).all()
+    lo, scale = _group_stats(x, axis, group)
+    lo_s, scale_s = _expand_stored(q, x, axis, group, "lo"), _expand_stored(q, x, axis, group, "scale")
+    # Storage rounding: codes are chosen against the stored lo/scale; clamping at code 0 or 3 can add the
+    # rounding of lo and 3x the rounding of scale (both are zero with fp32 scales, up to float arithmetic).
+    rounding = (lo - lo_s).abs() + 3 * (scale - scale_s).abs()
+    arithmetic = 8 * FP32_EPS * (x.abs() + lo.abs() + 3 * scale)
+    err = (x - xhat).abs()
+    assert (err <= scale_s / 2 + rounding + arithmetic).all(), (err - scale_s / 2 - rounding).max()
+    if scale_dtype is torch.float32:
+        assert (err <= scale / 2 + arithmetic).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(grouped_tensors(max_abs=1e3), st.data())
+def test_groups_on_the_four_level_grid_are_exact(case, data):
+    """Values lo + k*scale (k in 0..3, with both ends present) come back bit-exactly with fp32 scales.
+
+    lo and scale are dyadic (multiples of 1/64, bounded), so every step of the arithmetic is exact; four arbitrary
+    distinct values are not on any uniform 4-level grid, so exactness is a property of grid values only."""
+    shape_ref, axis, group = case
+    n_groups = shape_ref.numel() // group
+    lo = torch.tensor(data.draw(st.lists(st.integers(-4096, 4096), min_size=n_groups, max_size=n_groups))) / 64
+    step = torch.tensor(data.draw(st.lists(st.integers(0, 512), min_size=n_groups, max_size=n_groups))) / 64
+    k = torch.randint(0, 4, (n_groups, group), generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    k[:, 0], k[:, -1] = 0, 3  # the grid's ends define lo and scale
+    vals = lo[:, None] + k * step[:, None]
+    b, h, t, d = shape_ref.shape
+    if axis == "token":
+        x = vals.reshape(b, h, t, d)
+    else:
+        x = vals.reshape(b, h, t // group, d, group).transpose(-1, -2).reshape(b, h, t, d)
+    q = quantize_int2(x, axis, group, torch.float32)
+    assert torch.equal(dequantize_int2(q, axis, group), x)
+
+
+@settings(max_examples=100, deadline=None)
+@given(grouped_tensors(), st.data())
+def test_groups_with_at_most_two_distinct_values(case, data):
+    """With fp32 scales, a group holding only its min and max maps them to codes 0 and 3 and reconstructs the min
+    exactly and the max up to float32 rounding of ``lo + 3 * ((hi - lo) / 3)``. (With fp16/bf16 scales a rounded
+    ``lo`` can move both to one code when the range is tiny against ``|lo|``; the error bound test covers that.)"""
+    x, axis, group = case
+    pick = torch.rand(x.shape, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))) < 0.5
+    lo_ref, scale_ref = _group_stats(x, axis, group)
+    two = torch.where(pick, lo_ref, lo_ref + 3 * scale_ref)  # every group holds only its min and/or its max
+    q = quantize_int2(two, axis, group, torch.float32)
+    codes = unpack_int2(q.codes)
+    lo2, scale2 = _group_stats(two, axis, group)
+    at_min = two == lo2
+    assert (codes[at_min] == 0).all()
+    assert (codes[(~at_min) & (scale2 > 0)] == 3).all()
+    xhat = dequantize_int2(q, axis, group)
+    assert torch.equal(xhat[at_min], two[at_min])
+    assert ((xhat - two).abs() <= 4 * FP32_EPS * (two.abs() + lo2.abs())).all()
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_constant_groups_are_exact_without_division_by_zero(axis, scale_dtype):
+    values = torch.tensor([0.0, 1.0, -2.5, 0.375, 1024.0, -3e-5])
+    x = values[:, None, None, None].expand(6, 2, 8, 16).contiguous()
+    q = quantize_int2(x, axis, 8, scale_dtype)
+    assert torch.isfinite(q.scale).all() and torch.isfinite(q.lo).all()
+    assert (q.scale == 0).all() and (unpack_int2(q.codes) == 0).all()
+    xhat = dequantize_int2(q, axis, 8)
+    assert torch.equal(xhat, x.to(scale_dtype).float())  # lo is stored in scale_dtype: exact when representable
+    if scale_dtype is torch.float32:
+        assert torch.equal(xhat, x)
+
+
+def test_pack_unpack_bijective_on_all_bytes():
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    codes = unpack_int2(every_byte)
+    assert codes.shape == (4, 256) and codes.dtype == torch.uint8 and int(codes.max()) == 3
+    assert torch.equal(pack_int2(codes), every_byte)
+    # every 4-code combination, and the documented order: channel 4j in the two least significant bits
+    combos = torch.cartesian_prod(*[torch.arange(4)] * 4).to(torch.uint8)  # [256, 4]
+    packed = pack_int2(combos)
+    assert packed.shape == (256, 1)
+    assert sorted(packed.flatten().tolist()) == list(range(256))
+    expected = combos[:, 0] | combos[:, 1] << 2 | combos[:, 2] << 4 | combos[:, 3] << 6
+    assert torch.equal(packed[:, 0], expected)
+    assert torch.equal(unpack_int2(packed), combos)
+
+
+def test_pack_needs_multiple_of_four():
+    with pytest.raises(ValueError, match="divisible by 4"):
+        pack_int2(torch.zeros(2, 6, dtype=torch.uint8))
+
+
+def test_bad_group_settings_are_rejected():
+    x = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        quantize_int2(x, "token", 12)
+    with pytest.raises(ValueError, match="token count"):
+        quantize_int2(x, "channel", 3)
+    with pytest.raises(ValueError, match="Unknown group axis"):
+        quantize_int2(x, "head", 8)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize_int2(x, "token", 8, torch.float64)
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+def test_fp16_scale_overflow_is_an_error(axis):
+    x = torch.randn(1, 1, 8, 16)
+    x[0, 0, 3, 5] = 1e5
+    with pytest.raises(ValueError, match="fp16 scales.*bfloat16"):
+        quantize_int2(x, axis, 8, torch.float16)
+    q = quantize_int2(x, axis, 8, torch.bfloat16)  # the suggested fix works
+    assert torch.isfinite(dequantize_int2(q, axis, 8)).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_input_to_a_layer_names_the_layer(bad):
+    k = torch.randn(1, 2, 5, 16)
+    v = torch.randn(1, 2, 5, 16)
+    v[0, 1, 2, 3] = bad
+    layer = OscarLayer(oscar_recipe(), layer_idx=7)
+    with pytest.raises(ValueError, match="layer 7.*NaN or Inf"):
+        layer.update(k, v)
+    cache = OscarScaledCache()
+    cache.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), 0)
+    with pytest.raises(ValueError, match="layer 1.*NaN or Inf"):
+        cache.update(v, k, 1)
