@@ -21,8 +21,10 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device=None) -> 
     if not is_power_of_two(d):
         raise ValueError(
             f"A Hadamard rotation needs a power-of-two size, got {d}. For a head_dim that is not a power of two, "
-            f"pass hadamard_block=<a power of two dividing head_dim> (largest here: {largest_pow2_divisor(d)}), "
-            "or give OscarCache calibrated rotations (any head_dim divisible by 4)."
+            f"use OscarScaledCache(hadamard_block={largest_pow2_divisor(d)}) (any power of two dividing head_dim), "
+            "or give OscarCache rotations for every layer (k_rotations/v_rotations: calibrated ones, or "
+            f"hf_kvint2.transforms.block_hadamard_matrix({d}, {largest_pow2_divisor(d)})); head_dim must be a multiple "
+            "of 4."
         )
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
