@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from .distributed import resolve_shard, warn_if_undetectable
 from .layers import OscarLayer
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
 
@@ -29,15 +30,17 @@ class OscarCacheBase(Cache):
     """Shared mechanism: one :class:`OscarLayer` per full-attention layer, created eagerly from ``config`` or lazily
     at the first ``update`` of each layer index."""
 
-    def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None):
+    def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None, tp_group=None):
         self._recipe_for_layer = recipe_for_layer
         self.config = config
+        # Tensor parallelism (transformers' tp_plan): this rank's KV heads; None for a whole model.
+        self.shard = resolve_shard(config, tp_group)
         layers: list[CacheLayerMixin] = []
         if config is not None:
             text_config = config.get_text_config(decoder=True)
             for idx, layer_type in enumerate(_layer_types(config)):
                 if layer_type == "full_attention":
-                    layers.append(OscarLayer(recipe_for_layer(idx), idx))
+                    layers.append(OscarLayer(recipe_for_layer(idx), idx, self.shard))
                 elif layer_type in _WINDOWED_LAYER_TYPES:
                     window = getattr(text_config, "sliding_window", None) or text_config.attention_chunk_size
                     layers.append(DynamicSlidingWindowLayer(sliding_window=window))
@@ -49,39 +52,72 @@ class OscarCacheBase(Cache):
         super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not self.layers:
+            warn_if_undetectable(self.config)
         while len(self.layers) <= layer_idx:
             idx = len(self.layers)
-            self.layers.append(OscarLayer(self._recipe_for_layer(idx), idx))
+            self.layers.append(OscarLayer(self._recipe_for_layer(idx), idx, self.shard))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ------------------------------------------------------------------ accounting
-    def memory_report(self) -> dict:
-        """Bytes held per layer and in total (codes, scales, norms, full-precision windows), with bits/element."""
-        per_layer = []
-        total = {"codes": 0, "scales": 0, "norms": 0, "full_precision": 0, "elements": 0, "allocated": 0}
+    _BYTE_KINDS = ("codes", "scales", "norms", "full_precision", "elements", "allocated")
+
+    def memory_report(self, global_view: bool = False) -> dict:
+        """Bytes held per layer, per device and in total (codes, scales, norms, full-precision windows), with
+        bits/element.
+
+        Under tensor parallelism the report covers this rank's KV heads; ``global_view=True`` sums the counts over
+        the tensor-parallel group (a collective: call it on every rank) so that it describes the whole model as one
+        process would hold it, and ``by_device`` then names devices as ``"rank<r>:<device>"``. Token norms (omni-token
+        scaling) are the same on every rank: the global view counts them once and reports the extra copies as
+        ``tensor_parallel["replicated_bytes"]``; ``allocated`` stays the physical sum over ranks.
+        """
+        per_layer, by_device = [], {}
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OscarLayer):
                 row = layer.memory_bytes()
+                device = layer.device if layer.is_initialized else None
             else:  # full-precision windowed layer
                 held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                         if isinstance(t, torch.Tensor)]
                 fp = sum(t.numel() * t.element_size() for t in held)
                 row = {"codes": 0, "scales": 0, "norms": 0, "full_precision": fp,
                        "elements": sum(t.numel() for t in held), "allocated": fp}
-            row = dict(row, layer=idx, kind=type(layer).__name__)
+                device = held[0].device if held else None
+            row = dict(row, layer=idx, kind=type(layer).__name__, device=None if device is None else str(device))
+            if device is not None:
+                held_bytes = row["codes"] + row["scales"] + row["norms"] + row["full_precision"]
+                by_device[str(device)] = by_device.get(str(device), 0) + held_bytes
+            per_layer.append(row)
+        if global_view and self.shard is not None:
+            counts = torch.tensor([[row[k] for k in self._BYTE_KINDS] for row in per_layer], dtype=torch.int64)
+            local_norms = sum(row["norms"] for row in per_layer)
+            self.shard.all_reduce_sum(counts)
+            for row, summed in zip(per_layer, counts.tolist()):
+                row.update(zip(self._BYTE_KINDS, summed))
+                row["norms"] //= self.shard.world_size  # replicated, not sharded
+        total = {k: sum(row[k] for row in per_layer) for k in self._BYTE_KINDS}
+        for row in per_layer + [total]:
             row["total_bytes"] = row["codes"] + row["scales"] + row["norms"] + row["full_precision"]
             row["bits_per_element"] = 8 * row["total_bytes"] / row["elements"] if row["elements"] else 0.0
-            per_layer.append(row)
-            for key in total:
-                total[key] += row[key]
-        total["total_bytes"] = total["codes"] + total["scales"] + total["norms"] + total["full_precision"]
-        total["bits_per_element"] = 8 * total["total_bytes"] / total["elements"] if total["elements"] else 0.0
-        return {"layers": per_layer, "total": total}
+        report = {"layers": per_layer, "by_device": by_device, "total": total}
+        if self.shard is not None:
+            report["tensor_parallel"] = {"rank": self.shard.rank, "world_size": self.shard.world_size,
+                                         "kv_heads": self.shard.global_kv_heads if global_view
+                                         else self.shard.local_kv_heads, "global_view": global_view}
+            if global_view:
+                report["tensor_parallel"]["replicated_bytes"] = local_norms * (self.shard.world_size - 1)
+            if global_view:
+                gathered = [None] * self.shard.world_size
+                torch.distributed.all_gather_object(gathered, by_device, group=self.shard.group)
+                report["by_device"] = {f"rank{r}:{dev}": n for r, part in enumerate(gathered) for dev, n in part.items()}
+        return report
 
-    def bits_per_element(self, layer_idx: int | None = None) -> float:
+    def bits_per_element(self, layer_idx: int | None = None, global_view: bool = False) -> float:
         """Stored bits per cached K/V element, from the bytes held: (codes + scales + norms + full-precision windows)
-        * 8 / (tokens * kv_heads * head_dim * 2). ``layer_idx=None`` averages over all layers by bytes."""
-        report = self.memory_report()
+        * 8 / (tokens * kv_heads * head_dim * 2). ``layer_idx=None`` averages over all layers by bytes.
+        ``global_view=True`` counts all KV heads of a tensor-parallel model (a collective, see ``memory_report``)."""
+        report = self.memory_report(global_view=global_view)
         row = report["total"] if layer_idx is None else report["layers"][layer_idx]
         return row["bits_per_element"]
 
@@ -107,12 +143,12 @@ class OscarScaledCache(OscarCacheBase):
     def __init__(self, config=None, *, sink_tokens: int = 0, recent_tokens: int = 128, group_size: int = 32,
                  key_group_size: int | None = None, value_group_size: int | None = None,
                  hadamard_block: int | None = None, token_scaling: bool = True,
-                 scale_dtype: torch.dtype = torch.float16):
+                 scale_dtype: torch.dtype = torch.float16, tp_group=None):
         self.settings = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
                              key_group_size=key_group_size, value_group_size=value_group_size,
                              hadamard_block=hadamard_block, token_scaling=token_scaling, scale_dtype=scale_dtype)
         recipe = oscar_scaled_recipe(**self.settings)
-        super().__init__(lambda idx: recipe, config)
+        super().__init__(lambda idx: recipe, config, tp_group)
 
     def __repr__(self):
         return f"OscarScaledCache({self.settings}, layers={len(self.layers)})"
@@ -134,7 +170,7 @@ class OscarCache(OscarCacheBase):
                  group_size: int = 128, key_means: Sequence[torch.Tensor] | None = None,
                  value_means: Sequence[torch.Tensor] | None = None,
                  layer_layouts: Sequence[tuple[GroupLayout, GroupLayout]] | None = None,
-                 scale_dtype: torch.dtype = torch.float16):
+                 scale_dtype: torch.dtype = torch.float16, tp_group=None):
         self.settings = dict(k_clip=k_clip, v_clip=v_clip, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                              group_size=group_size, scale_dtype=scale_dtype)
         self.k_rotations, self.v_rotations = k_rotations, v_rotations
@@ -159,7 +195,13 @@ class OscarCache(OscarCacheBase):
                 value_mean=_per_layer(value_means, idx, "value_means") if value_means is not None else None,
                 key_layout=layouts[0], value_layout=layouts[1], scale_dtype=scale_dtype)
 
-        super().__init__(recipe_for_layer, config)
+        super().__init__(recipe_for_layer, config, tp_group)
+        if self.shard is not None:  # fail before generate if the calibration cannot be split over the ranks
+            for name, seq in (("key_means", key_means), ("value_means", value_means)):
+                for idx, mean in enumerate(seq or ()):
+                    if mean is not None:
+                        self.shard.head_slice(mean.shape[0], f"{name}[{idx}] of the calibration")
+
 
     def __repr__(self):
         calibrated = self.k_rotations is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .distributed import TensorParallelShard
 from .quant import QuantizedGroups, dequantize_int2, quantize_int2
 from .recipes import GroupLayout, LayerRecipe
 from .storage import TokenBuffer
@@ -27,8 +28,9 @@ class QuantizedStream:
     """The INT2 body of one of K or V: packed codes, group scales/offsets and (optionally) token norms."""
 
     def __init__(self, layout: GroupLayout, group: int, rotation: torch.Tensor, mean: torch.Tensor | None,
-                 scale_dtype: torch.dtype):
+                 scale_dtype: torch.dtype, shard: TensorParallelShard | None = None):
         self.layout, self.group, self.rotation, self.mean, self.scale_dtype = layout, group, rotation, mean, scale_dtype
+        self.shard = shard  # tensor parallelism: this rank holds a slice of the heads the token norm runs over
         self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
         self.norm = TokenBuffer(1) if layout.token_scaling else None
 
@@ -45,7 +47,12 @@ class QuantizedStream:
         if self.norm is not None:
             # Omni-token norm over all heads and channels; divide by the *stored* (rounded) value so that
             # multiplying back on read is exact. Zero rows (padding) keep norm 1.
-            norm = xr.square().sum(dim=(1, 3)).sqrt().to(self.scale_dtype)
+            # Float64 sum of squares: a tensor-parallel all-reduce of per-rank partial sums then rounds to the
+            # same stored norm as a single process.
+            squared = xr.double().square().sum(dim=(1, 3))
+            if self.shard is not None:
+                self.shard.all_reduce_sum(squared)
+            norm = squared.sqrt().to(self.scale_dtype)
             norm = torch.where(norm.float() > 0, norm, torch.ones_like(norm))
             xr = xr / norm.float()[:, None, :, None]
         return clip_rows(xr, self.layout.clip), norm
@@ -88,10 +95,11 @@ class OscarLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, recipe: LayerRecipe, layer_idx: int | None = None):
+    def __init__(self, recipe: LayerRecipe, layer_idx: int | None = None, shard: TensorParallelShard | None = None):
         super().__init__()
         self.recipe = recipe
         self.layer_idx = layer_idx
+        self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
         self._clear()
 
     def __repr__(self):
@@ -117,6 +125,8 @@ class OscarLayer(CacheLayerMixin):
         r = self.recipe
         self.batch_size, self.num_heads, self.head_dim = b, h, d
         self.dtype, self.device = key_states.dtype, key_states.device
+        if self.shard is not None:
+            self.shard.check_local_heads(h, self._name)
         streams = []
         for kind, layout, rot, mean in (("key", r.key, r.key_rotation, r.key_mean),
                                         ("value", r.value, r.value_rotation, r.value_mean)):
@@ -129,6 +139,8 @@ class OscarLayer(CacheLayerMixin):
                 check_orthogonal(rot, f"The {kind} rotation of {self._name}")
                 rot = rot.to(device=self.device, dtype=torch.float32)
             if mean is not None:
+                if self.shard is not None and mean.dim() == 2:  # calibrated over all heads: keep this rank's
+                    mean = mean[self.shard.head_slice(mean.shape[0], f"The {kind} mean of {self._name}")]
                 if tuple(mean.shape) != (h, d):
                     raise ValueError(f"The {kind} mean of {self._name} is {tuple(mean.shape)}, expected "
                                      f"(kv_heads={h}, head_dim={d}): the calibration does not match this model.")
@@ -137,7 +149,7 @@ class OscarLayer(CacheLayerMixin):
             if layout.axis == "token" and d % group:
                 raise ValueError(f"head_dim={d} is not a multiple of the {kind} group size {group}; "
                                  f"use a group size dividing {d}.")
-            streams.append(QuantizedStream(layout, group, rot, mean, r.scale_dtype))
+            streams.append(QuantizedStream(layout, group, rot, mean, r.scale_dtype, self.shard))
         self.key_body, self.value_body = streams
         empty = key_states.new_empty(b, h, 0, d)
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
