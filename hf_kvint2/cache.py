@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .distributed import resolve_shard, warn_if_undetectable
+from . import hub
 from .layers import OscarLayer
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
 
@@ -26,7 +27,7 @@ def _num_layers(config) -> int:
     return config.get_text_config(decoder=True).num_hidden_layers
 
 
-class OscarCacheBase(Cache):
+class OscarCacheBase(hub.CacheHubMixin, Cache):
     """Shared mechanism: one :class:`OscarLayer` per full-attention layer, created eagerly from ``config`` or lazily
     at the first ``update`` of each layer index."""
 
@@ -52,6 +53,8 @@ class OscarCacheBase(Cache):
         super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.artifact_info is not None:  # loaded from an artifact: check it fits this model (hub.check_update)
+            hub.check_update(self, key_states, layer_idx)
         if not self.layers:
             warn_if_undetectable(self.config)
         while len(self.layers) <= layer_idx:
@@ -140,6 +143,8 @@ class OscarScaledCache(OscarCacheBase):
     front (and keeps sliding-window layers in full precision). All settings are keyword arguments.
     """
 
+    artifact_format = hub.OSCAR_SCALED_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hub.py
+
     def __init__(self, config=None, *, sink_tokens: int = 0, recent_tokens: int = 128, group_size: int = 32,
                  key_group_size: int | None = None, value_group_size: int | None = None,
                  hadamard_block: int | None = None, token_scaling: bool = True,
@@ -163,6 +168,8 @@ class OscarCache(OscarCacheBase):
     ``value_means``, ``layer_layouts``) are sequences indexed by layer; scalars apply to every layer.
     ``layer_layouts`` entries are ``(key GroupLayout, value GroupLayout)`` pairs chosen by calibration.
     """
+
+    artifact_format = hub.OSCAR_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hub.py
 
     def __init__(self, config=None, *, k_rotations: Sequence[torch.Tensor] | None = None,
                  v_rotations: Sequence[torch.Tensor] | None = None, k_clip: float | Sequence[float] | None = 0.96,
@@ -206,3 +213,17 @@ class OscarCache(OscarCacheBase):
     def __repr__(self):
         calibrated = self.k_rotations is not None
         return f"OscarCache({self.settings}, calibrated={calibrated}, layers={len(self.layers)})"
+
+    @classmethod
+    def from_rotation_zoo(cls, path_or_repo, *, subfolder: str | None = None, revision: str | None = None,
+                          cache_dir=None, token=None, local_files_only: bool = False,
+                          k_method: str = hub.ZOO_K_METHOD, v_method: str = hub.ZOO_V_METHOD, config=None,
+                          **overrides) -> "OscarCache":
+        """Import rotations from the reference OSCAR RotationZoo (a local folder or a Hub repo + ``subfolder``):
+        ``k_rotation_<k_method>.pt`` and ``v_rotation_<v_method>.pt``, each ``{"format_version", "objective",
+        "layers": {i: {"rotation" [d, d], "eigenvalues" [d]}}}``. Read with ``torch.load(weights_only=True)``
+        only; rotations are checked for orthogonality. Clip ratios default to the reference 0.96 / 0.92;
+        ``**overrides`` set any other setting. ``save_pretrained`` then writes it in hf_kvint2's format."""
+        return hub.load_rotation_zoo(cls, path_or_repo, subfolder=subfolder, revision=revision,
+                                     cache_dir=cache_dir, token=token, local_files_only=local_files_only,
+                                     k_method=k_method, v_method=v_method, config=config, **overrides)
