@@ -215,6 +215,17 @@ class OscarCache(OscarCacheBase):
         return f"OscarCache({self.settings}, calibrated={calibrated}, layers={len(self.layers)})"
 
     @classmethod
+    def calibrate(cls, model, tokenizer, texts, num_tokens: int = 30000, window: int = 2048,
+                  **kwargs) -> "OscarCache":
+        """Calibrate OSCAR for ``model`` on ``texts`` (SPEC 3) and return a ready cache: spectral rotations,
+        means, clip ratios and a per-layer layout chosen by measured attention-output error. Two streaming passes
+        over ``num_tokens`` tokens in windows of ``window``; see :func:`hf_kvint2.calibration.calibrate` for the
+        keyword arguments. Save it with ``save_pretrained``."""
+        from .calibration import calibrate
+
+        return calibrate(model, tokenizer, texts, num_tokens=num_tokens, window=window, **kwargs)
+
+    @classmethod
     def from_rotation_zoo(cls, path_or_repo, *, subfolder: str | None = None, revision: str | None = None,
                           cache_dir=None, token=None, local_files_only: bool = False,
                           k_method: str = hub.ZOO_K_METHOD, v_method: str = hub.ZOO_V_METHOD, config=None,

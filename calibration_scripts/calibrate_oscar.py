@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Calibrate OSCAR (SPEC 3) for a causal LM and write the artifact (SPEC 6).
+
+    python calibration_scripts/calibrate_oscar.py --model smollm2 \\
+        --text hf_kvint2/data/prideprejudice.txt --num-tokens 30000 --output runs/smollm2-oscar
+
+``--model smollm2`` (the default) is the bundled SmolLM2-135M-Instruct; any other value is a Hub id or a local
+folder for ``AutoModelForCausalLM``. ``--text`` may be given several times. The artifact is written with
+``OscarCache.save_pretrained`` and, with ``--push-to-hub REPO_ID``, uploaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled, default), a Hub id or a local path")
+    p.add_argument("--revision", default=None, help="model revision on the Hub")
+    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype (default float32)")
+    p.add_argument("--text", action="append", required=True, metavar="FILE",
+                   help="calibration text file (UTF-8); repeat for several")
+    p.add_argument("--num-tokens", type=int, default=30000, help="tokens to read in total (default 30000)")
+    p.add_argument("--window", type=int, default=2048, help="tokens per forward window (default 2048)")
+    p.add_argument("--no-fit-clip", action="store_true",
+                   help="keep the reference clip ratios 0.96 (keys) / 0.92 (values) instead of fitting them")
+    p.add_argument("--layouts", default="spectral,hadamard,channel",
+                   help="comma-separated per-layer candidates among spectral,hadamard,channel")
+    p.add_argument("--no-centering", action="store_true", help="do not consider centred candidates")
+    p.add_argument("--sink-tokens", type=int, default=64)
+    p.add_argument("--recent-tokens", type=int, default=256)
+    p.add_argument("--output", required=True, help="folder to write the artifact to")
+    p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="also upload the artifact to this repo")
+    return p.parse_args(argv)
+
+
+def load_model(name: str, revision: str | None, dtype: torch.dtype):
+    """(model, tokenizer, model id, revision) for ``name``."""
+    if name.lower() in ("smollm2", "default"):
+        from hf_kvint2.models import DEFAULT_MODEL_ID, load_smollm2
+
+        model, tokenizer = load_smollm2(dtype=dtype)
+        return model, tokenizer, DEFAULT_MODEL_ID, None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype).eval()
+    return model, tokenizer, name, revision or getattr(model.config, "_commit_hash", None)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from hf_kvint2 import OscarCache
+    from hf_kvint2.calibration import calibration_summary
+
+    texts, names = [], []
+    for path in args.text:
+        if not os.path.isfile(path):
+            sys.exit(f"--text {path}: no such file.")
+        texts.append(Path(path).read_text(encoding="utf-8"))
+        names.append(Path(path).name)
+    model, tokenizer, model_id, revision = load_model(args.model, args.revision, _DTYPES[args.dtype])
+    layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
+    cache = OscarCache.calibrate(
+        model, tokenizer, texts, num_tokens=args.num_tokens, window=args.window, fit_clip=not args.no_fit_clip,
+        layouts=layouts, centering=(False,) if args.no_centering else (False, True),
+        sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, data_description=", ".join(names),
+        model_id=model_id, model_revision=revision, verbose=False)
+    folder = cache.save_pretrained(args.output)
+    where = str(folder or args.output)
+    if args.push_to_hub:
+        cache.push_to_hub(args.push_to_hub)
+        where += f" and https://huggingface.co/{args.push_to_hub}"
+    print(calibration_summary(cache, artifact_path=where))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

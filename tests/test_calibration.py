@@ -1,0 +1,276 @@
+"""OSCAR calibration: capture, streaming statistics, clip/layout fitting, determinism, the CLI (tiny models)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from hf_kvint2 import OscarCache
+from hf_kvint2.calibration import (HeldOutLayer, LayerErrorProbe, LayerStatistics, capture_attention,
+                                   collect_statistics, fit_layer, tokenize_texts)
+from hf_kvint2.data import __file__ as _data_init
+from hf_kvint2.transforms import check_orthogonal, hadamard_matrix
+
+TEXT = (Path(_data_init).parent / "prideprejudice.txt").read_text(encoding="utf-8")[:20000]
+SETTINGS = dict(window=256, sink_tokens=8, recent_tokens=32, fit_queries=64)  # small: a body of ~200 tokens
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {c: i for i, c in enumerate(chars)} | {"[UNK]": len(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def tiny_llama(attn="sdpa"):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      attn_implementation=attn)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(key_offset: float = 0.0):
+    """Qwen2 has q/k/v biases; a large k bias gives the constant key offset that breaks per-token INT2."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    model = Qwen2ForCausalLM(cfg).eval()
+    if key_offset:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.bias.copy_(key_offset * torch.linspace(-1, 1, layer.self_attn.k_proj.bias.numel()))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama_cache(tokenizer):
+    return OscarCache.calibrate(tiny_llama(), tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                **SETTINGS)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_capture_keeps_logits_and_restores_implementation(tokenizer, attn):
+    model = tiny_llama(attn)
+    ids = tokenizer(TEXT[:200], return_tensors="pt").input_ids
+    seen = {}
+
+    def record(module, q, k, v, kwargs):
+        seen[module.layer_idx] = (q.shape, k.shape, v.shape)
+
+    with torch.no_grad():
+        before = model(ids).logits
+        with capture_attention(model, record):
+            during = model(ids).logits
+        after = model(ids).logits
+    assert torch.equal(before, during) and torch.equal(before, after)
+    assert model.config._attn_implementation == attn
+    assert seen == {i: ((1, 4, ids.shape[1], 16), (1, 2, ids.shape[1], 16), (1, 2, ids.shape[1], 16)) for i in (0, 1)}
+
+
+def test_capture_restores_implementation_on_error(tokenizer):
+    model = tiny_llama()
+    ids = tokenizer("abc", return_tensors="pt").input_ids
+
+    def boom(*args):
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError), torch.no_grad(), capture_attention(model, boom):
+        model(ids)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def _check_calibrated(cache, layers=2, kv_heads=2, d=16):
+    assert len(cache.k_rotations) == len(cache.v_rotations) == len(cache.layer_layouts) == layers
+    for i in range(layers):
+        check_orthogonal(cache.k_rotations[i], "k")
+        check_orthogonal(cache.v_rotations[i], "v")
+        for mean in (cache.key_means[i], cache.value_means[i]):
+            assert mean is None or mean.shape == (kv_heads, d)
+        for ev in (cache.k_eigenvalues[i], cache.v_eigenvalues[i]):
+            assert ev is None or (ev.shape == (d,) and (ev[:-1] >= ev[1:]).all() and (ev > -1e-6).all())
+        kname = cache.layout_names[i].split()[0].removeprefix("key=")
+        assert kname.split("+")[0] in ("spectral", "hadamard", "channel")
+        key_layout = cache.layer_layouts[i][0]
+        assert (key_layout.axis == "channel") == kname.startswith("channel")
+        if kname.startswith("hadamard"):
+            assert torch.equal(cache.k_rotations[i], hadamard_matrix(d))
+    info = cache.calibration_info
+    assert info["num_tokens"] == 1200 and info["statistics_tokens"] + info["held_out_tokens"] == 1200
+    assert (info["num_layers"], info["num_key_value_heads"], info["head_dim"]) == (layers, kv_heads, d)
+    assert all(math.isfinite(e) for e in info["attention_error"]["key"] + info["attention_error"]["value"])
+
+
+def _decode_logits(model, cache, ids, chunk=32):
+    out = []
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            out.append(model(ids[:, s:s + chunk], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+def test_tiny_llama_end_to_end(llama_cache, tokenizer):
+    _check_calibrated(llama_cache)
+    model = tiny_llama()
+    ids = tokenizer(TEXT[5000:5300], return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = model(ids).logits
+    got = _decode_logits(model, llama_cache, ids)
+    assert llama_cache.layers[0].body_len > 0  # tokens really went through the INT2 body
+    assert torch.isfinite(got).all()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.5
+
+
+def test_tiny_qwen2_with_key_offset_end_to_end(tokenizer):
+    model = tiny_qwen2(key_offset=30.0)
+    cache = OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                 **SETTINGS)
+    _check_calibrated(cache)
+    report = cache.calibration_report["choices"]
+    for choice in report:
+        # The large offset must not survive: the chosen key layout beats plain per-token (uncentred) layouts.
+        plain = min(e for name, e in choice.errors.items() if name.startswith(("key:spectral@", "key:hadamard@")))
+        assert choice.key_error < plain
+    ids = tokenizer(TEXT[5000:5300], return_tensors="pt").input_ids
+    assert torch.isfinite(_decode_logits(model, cache, ids)).all()
+
+
+def _direct_value_metric(q, k, v, centered):
+    """SPEC 3.3 straight from all tokens at once: w_h[t] = k_t^T M_h k_t normalised to mean 1."""
+    h = k.shape[0]
+    qd = q.double().reshape(h, -1, q.shape[-1])
+    m = qd.transpose(1, 2) @ qd / qd.shape[1]
+    out = 0
+    for i in range(h):
+        kd, vd = k[i].double(), v[i].double()
+        if centered:
+            vd = vd - vd.mean(0)
+        w = torch.einsum("td,de,te->t", kd, m[i], kd)
+        w = w / w.mean()
+        out = out + (vd.T * w) @ vd / len(w)
+    return m.mean(0), out / h
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_two_pass_value_metric_equals_direct(centered):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(6, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
+    k = k + 2.0  # offsets make the centred/uncentred difference visible
+    v = v * torch.linspace(0.5, 3, 8) + 1.0
+    stats = LayerStatistics(2, 8)
+    chunks = [(0, 70), (70, 200), (200, 300)]
+    for a, b in chunks:
+        stats.add_pass1(q[:, a:b], k[:, a:b], v[:, a:b])
+    stats.finish_pass1()
+    for a, b in chunks:
+        stats.add_pass2(k[:, a:b], v[:, a:b])
+    sigma_k, sigma_v = _direct_value_metric(q, k, v, centered)
+    torch.testing.assert_close(stats.key_metric(), sigma_k, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(stats.value_metric(centered), sigma_v, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(stats.value_mean(), v.double().mean(1))
+
+
+def test_statistics_state_does_not_grow_with_tokens(tokenizer):
+    model = tiny_llama()
+    sizes = []
+    for num_tokens in (600, 1400):
+        data = collect_statistics(model, tokenizer, [TEXT], num_tokens=num_tokens, progress=False, **SETTINGS)
+        assert data.info["statistics_tokens"] == num_tokens - SETTINGS["window"]
+        state = sum(t.numel() * t.element_size() for s in data.stats for t in s.state_tensors())
+        held = sum(t.numel() * t.element_size() for w in data.held_out for layer in w
+                   for t in (layer.q, layer.k, layer.v))
+        sizes.append((state, held))
+    assert sizes[0] == sizes[1]
+    assert sizes[0][0] == 2 * (3 * 2 * 16 * 16 + 3 * 2 * 16 + 2) * 8  # float64 per layer: qq, wvv, M; 3 sums; w_sum
+
+
+def test_determinism_bit_identical_artifact(llama_cache, tokenizer, tmp_path):
+    again = OscarCache.calibrate(tiny_llama(), tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                 **SETTINGS)
+    digests = []
+    for i, cache in enumerate((llama_cache, again)):
+        folder = cache.save_pretrained(tmp_path / str(i))
+        files = sorted(p for p in Path(folder).iterdir() if p.is_file())
+        assert {p.name for p in files} >= {"config.json", "model.safetensors"}
+        digests.append({p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+    assert digests[0] == digests[1]
+
+
+def test_clip_fitting_beats_no_clipping_on_outliers():
+    g = torch.Generator().manual_seed(0)
+    h, t, d, group = 2, 512, 16, 2
+    k = torch.randn(h, t, d, generator=g)
+    v = torch.randn(h, t, d, generator=g)
+    spikes = torch.rand(h, t, d, generator=g) < 0.01  # rare large outliers blow up every per-token range
+    k, v = k + spikes * 25.0, v + spikes * 25.0
+    positions = torch.arange(320, 512, 4)
+    q = torch.randn(h * group, t, d, generator=g)[:, positions]
+    probe = LayerErrorProbe([HeldOutLayer(q, k, v, positions, d ** -0.5)], sink=8, recent=32,
+                            scale_dtype=torch.float16)
+    stats = LayerStatistics(h, d)
+    stats.add_pass1(torch.randn(h * group, t, d, generator=g), k, v)
+    stats.finish_pass1()
+    stats.add_pass2(k, v)
+    choice = fit_layer(stats, probe, d, layouts=("hadamard",), centering=(False,))
+    for kind, cand, err in (("key", choice.key, choice.key_error), ("value", choice.value, choice.value_error)):
+        unclipped = choice.errors[f"{kind}:hadamard@None"]
+        assert cand.layout.clip is not None and cand.layout.clip < 1.0
+        assert err < 0.9 * unclipped, (kind, err, unclipped)
+
+
+def test_bad_inputs_get_clear_errors(tokenizer):
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="held-back window"):
+        OscarCache.calibrate(model, tokenizer, [TEXT[:200]], num_tokens=1000, progress=False, verbose=False,
+                             **SETTINGS)
+    with pytest.raises(ValueError, match="layouts"):
+        OscarCache.calibrate(model, tokenizer, [TEXT], layouts=("rotated",), progress=False, verbose=False)
+    with pytest.raises(ValueError, match="non-empty"):
+        tokenize_texts(tokenizer, [""], 10)
+    with pytest.raises(ValueError, match="quantized body"):
+        OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=600, window=64, sink_tokens=8, recent_tokens=64,
+                             progress=False, verbose=False)
+
+
+def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
+    import importlib.util
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    script = Path(__file__).parents[1] / "calibration_scripts" / "calibrate_oscar.py"
+    spec = importlib.util.spec_from_file_location("calibrate_oscar", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = tmp_path / "artifact"
+    assert cli.main(["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
+                     "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "artifact written to" in printed and str(out) in printed and "peak memory" in printed
+    loaded = OscarCache.from_pretrained(out)
+    assert loaded.settings["k_clip"] is not None
+    assert len(loaded.k_rotations) == 2 and loaded.layout_names is not None
+
+
+def test_spilled_and_recomputed_value_pass_agree(tokenizer):
+    model = tiny_llama()
+    runs = [collect_statistics(model, tokenizer, [TEXT], num_tokens=900, progress=False, value_pass=mode,
+                               **SETTINGS) for mode in ("spill", "recompute")]
+    for a, b in zip(runs[0].stats, runs[1].stats):
+        for x, y in zip(a.state_tensors(), b.state_tensors()):
+            assert torch.equal(x, y)
+    assert runs[0].stats[0].w_sum.gt(0).all()
