@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import kernels
 from .distributed import TensorParallelShard
 from .quant import QuantizedGroups, dequantize_int2, quantize_int2
 from .recipes import GroupLayout, LayerRecipe
@@ -58,8 +59,11 @@ class QuantizedStream:
         return clip_rows(xr, self.layout.clip), norm
 
     def append(self, x: torch.Tensor) -> None:
-        xt, norm = self.transform(x)
-        q = quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype)
+        if self.shard is None and kernels.kernels_enabled_for(x):  # CUDA: fused Triton transform + pack
+            q, norm = kernels.quantize_stream(self, x)
+        else:
+            xt, norm = self.transform(x)
+            q = quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype)
         self.codes.append(q.codes)
         self.scale.append(q.scale)
         self.lo.append(q.lo)

@@ -31,12 +31,19 @@ import os
 
 import torch
 
-from .reference import (
-    merge_partials,
-    reference_body_attention,
-    reference_layer_attention,
-    reference_quantize_tokens,
-)
+# The PyTorch references import hf_kvint2.layers, which imports this package: load them on first use (PEP 562).
+# (This also keeps a stray top-level import of this folder as ``kernels`` - Python run from the repository root
+# puts it on sys.path, and transformers probes for the Hub ``kernels`` package - free of side effects.)
+_REFERENCES = ("merge_partials", "reference_body_attention", "reference_layer_attention", "reference_quantize_tokens")
+
+
+def __getattr__(name):
+    if name in _REFERENCES:
+        from . import reference
+
+        return getattr(reference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "triton_available",

@@ -1,0 +1,289 @@
+"""Split-K decode attention over a layer's packed INT2 body, and a whole-layer decode step around it.
+
+Grid: (batch x KV head, query-row block, token split). A program takes the rows of one KV head - all its query
+heads times the query positions (GQA by index: each code byte is read once for all of them) - and one contiguous
+range of body tokens. It dequantizes tiles of ``BLOCK_N`` tokens in registers, ``k = (code * scale + lo) * norm``,
+for any layout (per-token groups of channels, per-channel groups of tokens, optional token norms), and runs an
+online softmax. Each byte holds channels ``4j .. 4j+3``; the kernel keeps four column-interleaved sub-tiles
+(channel ``4j + i`` for i = 0..3), so unpacking needs no reshuffle: ``q.k = sum_i q[:, 4j+i] . k_i``. Splits write
+``(out, lse)``; a second kernel merges them by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import _softmax_partial, layer_mask, merge_partials
+
+
+@triton.jit
+def _dequant_subtile(bytes_tile, sub: tl.constexpr, scale_ptr, lo_ptr, sst, norm_ptr, tok, tok_ok, j, j_ok,
+                     CHANNEL: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Channels 4j+sub of a [BLOCK_N, BLOCK_D4] byte tile, dequantized to fp32 (zero where out of range)."""
+    code = ((bytes_tile >> (2 * sub)) & 3).to(tl.float32)
+    ok = tok_ok[:, None] & j_ok[None, :]
+    ch = 4 * j + sub
+    if CHANNEL:  # one scale per channel per GROUP tokens: [T // GROUP, D]
+        off = (tok // GROUP)[:, None] * sst + ch[None, :]
+        x = code * tl.load(scale_ptr + off, mask=ok, other=0.0).to(tl.float32) + \
+            tl.load(lo_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    elif GROUP >= D:  # one group per token: [T, 1]
+        sc = tl.load(scale_ptr + tok * sst, mask=tok_ok, other=0.0).to(tl.float32)
+        lo = tl.load(lo_ptr + tok * sst, mask=tok_ok, other=0.0).to(tl.float32)
+        x = code * sc[:, None] + lo[:, None]
+    else:  # D // GROUP groups per token: [T, D // GROUP]
+        off = tok[:, None] * sst + (ch // GROUP)[None, :]
+        x = code * tl.load(scale_ptr + off, mask=ok, other=0.0).to(tl.float32) + \
+            tl.load(lo_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        x = x * tl.load(norm_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
+    return tl.where(ok, x, 0.0)
+
+
+@triton.jit
+def _body_attention_kernel(
+    q_ptr, sqb, sqh, sql, qmu_ptr,
+    kc_ptr, kcb, kch, kct, ks_ptr, kl_ptr, ksb, ksh, kst, kn_ptr, knb,
+    vc_ptr, vcb, vch, vct, vs_ptr, vl_ptr, vsb, vsh, vst, vn_ptr, vnb,
+    mask_ptr, mkb, mkl, mkt,
+    out_ptr, lse_ptr,
+    Hkv, Lq, n_rep, n_tokens, tokens_per_split, num_splits, scaling,
+    D: tl.constexpr, BLOCK_D4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_NORM: tl.constexpr,
+    V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_NORM: tl.constexpr,
+    HAS_QMU: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = bh // Hkv
+    h = bh % Hkv
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rep * Lq
+    hq = h * n_rep + rows // Lq
+    pos = rows % Lq
+    split = tl.program_id(2)
+    t_begin = split * tokens_per_split
+    t_end = tl.minimum(t_begin + tokens_per_split, n_tokens)
+
+    j = tl.arange(0, BLOCK_D4)
+    j_ok = j < D // 4
+    q_rows = q_ptr + b * sqb + hq * sqh + pos * sql
+    q_ok = row_ok[:, None] & j_ok[None, :]
+    q0 = tl.load(q_rows[:, None] + (4 * j)[None, :], mask=q_ok, other=0.0)
+    q1 = tl.load(q_rows[:, None] + (4 * j + 1)[None, :], mask=q_ok, other=0.0)
+    q2 = tl.load(q_rows[:, None] + (4 * j + 2)[None, :], mask=q_ok, other=0.0)
+    q3 = tl.load(q_rows[:, None] + (4 * j + 3)[None, :], mask=q_ok, other=0.0)
+    if HAS_QMU:
+        qmu = tl.load(qmu_ptr + (b * Hkv * n_rep + hq) * Lq + pos, mask=row_ok, other=0.0)
+
+    kc_ptr += b * kcb + h * kch
+    ks_ptr += b * ksb + h * ksh
+    kl_ptr += b * ksb + h * ksh
+    kn_ptr += b * knb
+    vc_ptr += b * vcb + h * vch
+    vs_ptr += b * vsb + h * vsh
+    vl_ptr += b * vsb + h * vsh
+    vn_ptr += b * vnb
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_D4), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_D4), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_D4), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_D4), dtype=tl.float32)
+    for start in range(t_begin, t_end, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_ok = tok < t_end
+        ok = tok_ok[:, None] & j_ok[None, :]
+        kb = tl.load(kc_ptr + tok[:, None] * kct + j[None, :], mask=ok, other=0)
+        qk = tl.dot(q0, tl.trans(_dequant_subtile(kb, 0, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                  K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
+        qk += tl.dot(q1, tl.trans(_dequant_subtile(kb, 1, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                   K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
+        qk += tl.dot(q2, tl.trans(_dequant_subtile(kb, 2, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                   K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
+        qk += tl.dot(q3, tl.trans(_dequant_subtile(kb, 3, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                   K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
+        if HAS_QMU:
+            qk += qmu[:, None]
+        s = qk * scaling
+        if MASK_KIND == 1:  # bool, True attends
+            keep = tl.load(mask_ptr + b * mkb + pos[:, None] * mkl + tok[None, :] * mkt,
+                           mask=row_ok[:, None] & tok_ok[None, :], other=0)
+            s = tl.where(keep != 0, s, float("-inf"))
+        elif MASK_KIND == 2:  # additive
+            s += tl.load(mask_ptr + b * mkb + pos[:, None] * mkl + tok[None, :] * mkt,
+                         mask=row_ok[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that attends nothing yet stays at 0
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        vb = tl.load(vc_ptr + tok[:, None] * vct + j[None, :], mask=ok, other=0)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 0, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
+                                              input_precision=PRECISION)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 1, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
+                                              input_precision=PRECISION)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 2, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
+                                              input_precision=PRECISION)
+        acc3 = acc3 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 3, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
+                                              input_precision=PRECISION)
+
+    has = l_i > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    row_base = ((b * Hkv * n_rep + hq) * Lq + pos) * num_splits + split
+    tl.store(lse_ptr + row_base, lse, mask=row_ok)
+    out_rows = out_ptr + row_base[:, None] * D + 4 * j[None, :]
+    tl.store(out_rows, acc0 * inv[:, None], mask=q_ok)
+    tl.store(out_rows + 1, acc1 * inv[:, None], mask=q_ok)
+    tl.store(out_rows + 2, acc2 * inv[:, None], mask=q_ok)
+    tl.store(out_rows + 3, acc3 * inv[:, None], mask=q_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, num_splits,
+                         D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < num_splits
+    cols = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_ref)
+    total = tl.sum(w, axis=0)
+    parts = tl.load(out_ptr + (row * num_splits + sp)[:, None] * D + cols[None, :],
+                    mask=sp_ok[:, None] & (cols < D)[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(merged_ptr + row * D + cols, out, mask=cols < D)
+    tl.store(merged_lse_ptr + row, tl.where(total > 0.0, m_ref + tl.log(tl.where(total > 0.0, total, 1.0)),
+                                            float("-inf")))
+
+
+def _stream_tensors(stream, n_tokens: int):
+    """(codes, scale, lo, norm) views of a QuantizedStream with a unit last stride."""
+    def unit(t):
+        return t if t is None or t.stride(-1) == 1 else t.contiguous()
+    norm = stream.norm.view() if stream.norm is not None else None
+    return unit(stream.codes.view()), unit(stream.scale.view()), unit(stream.lo.view()), unit(norm)
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None,
+                   num_splits=None, block_n=None):
+    """See :func:`hf_kvint2.kernels.body_attention`."""
+    if q_rot.dim() != 4:
+        raise ValueError(f"q_rot must be [batch, q_heads, q_len, head_dim], got {tuple(q_rot.shape)}.")
+    b, hq, lq, d = q_rot.shape
+    body_len = 0 if key_body.codes.view() is None else key_body.codes.view().shape[2]
+    n = body_len if n_tokens is None else n_tokens
+    if not 0 <= n <= body_len:
+        raise ValueError(f"n_tokens={n_tokens} is outside the body's {body_len} tokens.")
+    out = torch.zeros(b, hq, lq, d, dtype=torch.float32, device=q_rot.device)
+    lse = torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q_rot.device)
+    if n == 0:
+        return out, lse
+    kc, ks, kl, kn = _stream_tensors(key_body, n)
+    vc, vs, vl, vn = _stream_tensors(value_body, n)
+    hkv = kc.shape[1]
+    if kc.shape[0] != b or kc.shape[-1] * 4 != d or hq % hkv:
+        raise ValueError(f"Queries {tuple(q_rot.shape)} do not fit the body's codes {tuple(kc.shape)} (batch, "
+                         "head_dim, and q_heads a multiple of kv_heads must match).")
+    n_rep = hq // hkv
+    q = q_rot.float()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    qmu = None
+    if key_mean_logits is not None:
+        qmu = key_mean_logits.float().expand(b, hq, lq).contiguous()
+    mask_kind, mk = 0, None
+    if mask is not None:
+        mk = mask if mask.dim() == 4 else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        if mk.shape[1] != 1:
+            raise ValueError(f"The body mask must have a head dimension of 1, got {tuple(mask.shape)}.")
+        mk = mk[..., :n].expand(b, 1, lq, n)
+        mask_kind = 1 if mk.dtype == torch.bool else 2
+
+    block_n = block_n or 64
+    block_m = max(16, min(64, triton.next_power_of_2(n_rep * lq)))
+    row_blocks = triton.cdiv(n_rep * lq, block_m)
+    if num_splits is None:  # enough programs to fill the GPU twice, each with at least 4 tiles
+        want = triton.cdiv(2 * _sm_count(q.device), b * hkv * row_blocks)
+        num_splits = max(1, min(want, triton.cdiv(n, 4 * block_n), 512))
+    tokens_per_split = triton.cdiv(triton.cdiv(n, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(n, tokens_per_split)
+    part = out if num_splits == 1 else torch.empty(b, hq, lq, num_splits, d, dtype=torch.float32, device=q.device)
+    part_lse = lse if num_splits == 1 else torch.empty(b, hq, lq, num_splits, dtype=torch.float32, device=q.device)
+
+    k_lay, v_lay = key_body.layout, value_body.layout
+    precision = "ieee" if q_rot.dtype == torch.float32 else "tf32"
+    dummy = q
+    _body_attention_kernel[(b * hkv, row_blocks, num_splits)](
+        q, q.stride(0), q.stride(1), q.stride(2), qmu if qmu is not None else dummy,
+        kc, kc.stride(0), kc.stride(1), kc.stride(2), ks, kl, ks.stride(0), ks.stride(1), ks.stride(2),
+        kn if kn is not None else dummy, kn.stride(0) if kn is not None else 0,
+        vc, vc.stride(0), vc.stride(1), vc.stride(2), vs, vl, vs.stride(0), vs.stride(1), vs.stride(2),
+        vn if vn is not None else dummy, vn.stride(0) if vn is not None else 0,
+        mk if mk is not None else dummy, *(mk.stride(0), mk.stride(2), mk.stride(3)) if mk is not None else (0, 0, 0),
+        part, part_lse,
+        hkv, lq, n_rep, n, tokens_per_split, num_splits, float(scaling),
+        D=d, BLOCK_D4=max(16, triton.next_power_of_2(d // 4)), BLOCK_M=block_m, BLOCK_N=block_n,
+        K_CHANNEL=k_lay.axis == "channel", K_GROUP=key_body.group, K_NORM=kn is not None,
+        V_CHANNEL=v_lay.axis == "channel", V_GROUP=value_body.group, V_NORM=vn is not None,
+        HAS_QMU=qmu is not None, MASK_KIND=mask_kind, PRECISION=precision,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(b * hq * lq,)](part, part_lse, out, lse, num_splits, D=d,
+                                             BLOCK_S=triton.next_power_of_2(num_splits),
+                                             BLOCK_D=triton.next_power_of_2(d))
+    return out, lse
+
+
+def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_splits=None, block_n=None):
+    """See :func:`hf_kvint2.kernels.layer_decode_attention`."""
+    b, hq, lq, d = query.shape
+    n_sink, n_body, n_recent = layer.sink_k.shape[2], layer.body_len, layer.recent_k.shape[2]
+    tkv = n_sink + n_body + n_recent
+    if n_body and lq > n_recent:
+        raise ValueError(f"{lq} query tokens but only {n_recent} keys in the recent window: part of this chunk was "
+                         "already quantized, so it cannot be attended at full precision by a decode step. Attend "
+                         "fresh chunks with SDPA (prefill) instead.")
+    hkv = layer.sink_k.shape[1]
+    qf = query.float()
+    parts = []
+    if n_body:
+        kb, vb = layer.key_body, layer.value_body
+        qmu = None
+        if kb.mean is not None:
+            qmu = (qf.reshape(b, hkv, hq // hkv, lq, d) * kb.mean[None, :, None, None, :]).sum(-1).reshape(b, hq, lq)
+        body_mask = None if attention_mask is None else attention_mask[..., n_sink:n_sink + n_body]
+        out_rot, lse = body_attention(qf @ kb.rotation, kb, vb, n_tokens=n_body, scaling=scaling,
+                                      key_mean_logits=qmu, mask=body_mask, num_splits=num_splits, block_n=block_n)
+        out = out_rot @ vb.rotation.T
+        if vb.mean is not None:
+            out = out + vb.mean.repeat_interleave(hq // hkv, dim=0)[None, :, None, :]
+        parts.append((out, lse))
+    # Full-precision segments (sink and recent: at most a few hundred tokens) in plain PyTorch.
+    k_fp = torch.cat([layer.sink_k, layer.recent_k], dim=2).float()
+    v_fp = torch.cat([layer.sink_v, layer.recent_v], dim=2).float()
+    full = layer_mask(attention_mask, lq, tkv, query.device)
+    fp_mask = torch.cat([full[..., :n_sink], full[..., n_sink + n_body:]], dim=-1)
+    scores = scaling * (qf.reshape(b, hkv, hq // hkv, lq, d) @ k_fp.unsqueeze(2).transpose(-1, -2))
+    out_fp, lse_fp = _softmax_partial(scores + fp_mask.unsqueeze(1), v_fp.unsqueeze(2))
+    parts.append((out_fp.reshape(b, hq, lq, d), lse_fp.reshape(b, hq, lq)))
+    out, _ = merge_partials(*parts)
+    return out.to(query.dtype)

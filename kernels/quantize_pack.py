@@ -1,0 +1,226 @@
+"""Fused transform + INT2 quantize + pack of new tokens (what ``QuantizedStream.append`` stores).
+
+One program owns a tile of tokens of one batch row and loops over the KV heads, so the omni-token norm (over all
+heads and channels of a token) needs no second kernel: pass 1 sums squares over heads, pass 2 recomputes the
+cheap rotation and quantizes. Per-channel groups span ``group_size`` tokens, so then a tile is exactly one group.
+
+Matching :func:`hf_kvint2.quant.quantize_int2` bit for bit where it matters: the rotation runs in IEEE fp32,
+``scale``/``lo`` are rounded to the scale dtype before the codes are chosen, codes round half to even like
+``torch.round``, and the row clip uses the same linear-interpolated quantile as ``transforms.row_quantile``
+(exact order statistics of the row's ``|x|`` by bisection on their bit patterns).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_kvint2.quant import SCALE_DTYPES, QuantizedGroups
+
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _rotate(x_ptr, sxt, mean_ptr, rot_ptr, tok, tok_ok, cols, col_ok, D: tl.constexpr, BLOCK_T: tl.constexpr,
+            BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_MEAN: tl.constexpr):
+    """(x[tok] - mean) @ R for one head: [BLOCK_T, BLOCK_D] fp32, accumulated over CHUNK-wide slices of D."""
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for c0 in tl.static_range(0, BLOCK_D, CHUNK):
+        kc = c0 + tl.arange(0, CHUNK)
+        k_ok = kc < D
+        x = tl.load(x_ptr + tok[:, None] * sxt + kc[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + kc, mask=k_ok, other=0.0)[None, :]
+            x = tl.where(tok_ok[:, None] & k_ok[None, :], x, 0.0)
+        r = tl.load(rot_ptr + kc[:, None] * D + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(x, r, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _to_scale_dtype(x, SCALE_DTYPE: tl.constexpr):
+    """fp32 -> the nearest value of the scale dtype (round half to even), kept in fp32. bf16 is rounded by hand
+    because the Triton interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest even)."""
+    if SCALE_DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(SCALE_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _kth_smallest(a_bits, k, BLOCK_T: tl.constexpr):
+    """Per row, the k-th smallest (0-based) of non-negative floats given as int32 bit patterns (their order is the
+    float order): bisection on the bit pattern, 31 steps, exact."""
+    lo = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    hi = tl.full((BLOCK_T,), 0x7F800000, dtype=tl.int32)
+    for _ in range(31):
+        mid = lo + (hi - lo) // 2
+        enough = tl.sum((a_bits <= mid[:, None]).to(tl.int32), axis=1) >= k + 1
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    return hi
+
+
+@triton.jit
+def _round_half_even(y):
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr, sxb, sxh, sxt,
+    mean_ptr, rot_ptr,
+    codes_ptr, scb, sch, sct,
+    scale_ptr, lo_ptr, ssb, ssh, sst,
+    norm_ptr, snb,
+    H, n_tokens, clip_frac,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    AXIS_CHANNEL: tl.constexpr, GROUP: tl.constexpr, HAS_MEAN: tl.constexpr, TOKEN_SCALING: tl.constexpr,
+    CLIP: tl.constexpr, CLIP_I0: tl.constexpr, CLIP_I1: tl.constexpr, SCALE_DTYPE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_T)
+    if AXIS_CHANNEL:  # one tile = one group of GROUP tokens
+        tok = tile * GROUP + rows
+        tok_ok = (rows < GROUP) & (tok < n_tokens)
+    else:
+        tok = tile * BLOCK_T + rows
+        tok_ok = tok < n_tokens
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    valid = tok_ok[:, None] & col_ok[None, :]
+
+    if TOKEN_SCALING:
+        # Sum of squares in fp64 like QuantizedStream.transform (which must agree with its tensor-parallel form).
+        sumsq = tl.zeros((BLOCK_T,), dtype=tl.float64)
+        for h in range(H):
+            xr = _rotate(x_ptr + b * sxb + h * sxh, sxt, mean_ptr + h * D, rot_ptr, tok, tok_ok, cols, col_ok,
+                         D, BLOCK_T, BLOCK_D, CHUNK, HAS_MEAN).to(tl.float64)
+            sumsq += tl.sum(xr * xr, axis=1)
+        norm = _to_scale_dtype(tl.sqrt(sumsq).to(tl.float32), SCALE_DTYPE)
+        norm = tl.where(norm > 0.0, norm, 1.0)  # padding rows (zero vectors) keep norm 1
+        tl.store(norm_ptr + b * snb + tok, norm.to(SCALE_DTYPE), mask=tok_ok)
+
+    for h in range(H):
+        xr = _rotate(x_ptr + b * sxb + h * sxh, sxt, mean_ptr + h * D, rot_ptr, tok, tok_ok, cols, col_ok,
+                     D, BLOCK_T, BLOCK_D, CHUNK, HAS_MEAN)
+        if TOKEN_SCALING:
+            xr = tl.div_rn(xr, norm[:, None])
+        if CLIP:
+            # The linear-interpolated quantile of |row| (transforms.row_quantile): order statistics CLIP_I0 and
+            # CLIP_I1 = CLIP_I0 + 1 (or the same); padded columns count as +inf so they sort last.
+            a_bits = tl.where(col_ok[None, :], tl.abs(xr), float("inf")).to(tl.int32, bitcast=True)
+            b0 = _kth_smallest(a_bits, CLIP_I0, BLOCK_T)
+            if CLIP_I1 == CLIP_I0:
+                b1 = b0
+            else:  # the next order statistic: b0 again if it repeats, else the smallest value above it
+                repeats = tl.sum((a_bits <= b0[:, None]).to(tl.int32), axis=1) >= CLIP_I1 + 1
+                b1 = tl.where(repeats, b0, tl.min(tl.where(a_bits > b0[:, None], a_bits, 0x7F800000), axis=1))
+            q0 = b0.to(tl.float32, bitcast=True)
+            q1 = b1.to(tl.float32, bitcast=True)
+            tau = (q0 * (1.0 - clip_frac) + q1 * clip_frac)[:, None]
+            xr = tl.minimum(tl.maximum(xr, -tau), tau)
+
+        if AXIS_CHANNEL:
+            lo = tl.min(tl.where(valid, xr, float("inf")), axis=0)
+            hi = tl.max(tl.where(valid, xr, float("-inf")), axis=0)
+            lo_s = _to_scale_dtype(lo, SCALE_DTYPE)
+            scale_s = _to_scale_dtype(tl.div_rn(hi - lo, 3.0), SCALE_DTYPE)
+            soff = b * ssb + h * ssh + tile * sst + cols
+            tl.store(scale_ptr + soff, scale_s.to(SCALE_DTYPE), mask=col_ok)
+            tl.store(lo_ptr + soff, lo_s.to(SCALE_DTYPE), mask=col_ok)
+            lo_c = lo_s[None, :]
+            scale_c = scale_s[None, :]
+        else:
+            lo_c = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            scale_c = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            for g in tl.static_range(D // GROUP):
+                in_g = (cols >= g * GROUP) & (cols < (g + 1) * GROUP)
+                lo = tl.min(tl.where(in_g[None, :], xr, float("inf")), axis=1)
+                hi = tl.max(tl.where(in_g[None, :], xr, float("-inf")), axis=1)
+                lo_s = _to_scale_dtype(lo, SCALE_DTYPE)
+                scale_s = _to_scale_dtype(tl.div_rn(hi - lo, 3.0), SCALE_DTYPE)
+                soff = b * ssb + h * ssh + tok * sst + g
+                tl.store(scale_ptr + soff, scale_s.to(SCALE_DTYPE), mask=tok_ok)
+                tl.store(lo_ptr + soff, lo_s.to(SCALE_DTYPE), mask=tok_ok)
+                lo_c = tl.where(in_g[None, :], lo_s[:, None], lo_c)
+                scale_c = tl.where(in_g[None, :], scale_s[:, None], scale_c)
+
+        safe = tl.where(scale_c > 0.0, scale_c, 1.0)
+        code = tl.where(scale_c > 0.0, _round_half_even(tl.div_rn(xr - lo_c, safe)), 0.0)
+        code = tl.minimum(tl.maximum(code, 0.0), 3.0).to(tl.int32)
+        # Pack channel 4j+i into bits 2i of byte j (the order of hf_kvint2.quant.pack_int2).
+        quads = tl.reshape(code, (BLOCK_T, BLOCK_D // 4, 4))
+        shifts = (tl.arange(0, 4) * 2)[None, None, :]
+        packed = tl.sum(quads << shifts, axis=2).to(tl.uint8)
+        bcols = tl.arange(0, BLOCK_D // 4)
+        coff = b * scb + h * sch + tok[:, None] * sct + bcols[None, :]
+        tl.store(codes_ptr + coff, packed, mask=tok_ok[:, None] & (bcols < D // 4)[None, :])
+
+
+def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, *, axis: str,
+                    group_size: int, clip: float | None, token_scaling: bool, scale_dtype: torch.dtype):
+    """See :func:`hf_kvint2.kernels.quantize_tokens`."""
+    if x.dim() != 4:
+        raise ValueError(f"quantize_tokens expects x of shape [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}.")
+    b, h, n, d = x.shape
+    if d % 4:
+        raise ValueError(f"head_dim ({d}) must be a multiple of 4 to pack four INT2 codes per byte.")
+    if axis not in ("token", "channel"):
+        raise ValueError(f"Unknown group axis {axis!r}; use 'token' or 'channel'.")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}.")
+    extent = d if axis == "token" else n
+    if group_size <= 0 or extent % group_size:
+        what = "head_dim" if axis == "token" else "token count"
+        raise ValueError(f"The {what} ({extent}) is not a multiple of the group size ({group_size}) for '{axis}' groups.")
+    if tuple(rotation.shape) != (d, d):
+        raise ValueError(f"rotation must be [{d}, {d}] for head_dim {d}, got {tuple(rotation.shape)}.")
+    if mean is not None and tuple(mean.shape) != (h, d):
+        raise ValueError(f"mean must be [kv_heads={h}, head_dim={d}], got {tuple(mean.shape)}.")
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rot = rotation.to(device=x.device, dtype=torch.float32).contiguous()
+    mean_t = rot if mean is None else mean.to(device=x.device, dtype=torch.float32).contiguous()
+    codes = torch.empty(b, h, n, d // 4, dtype=torch.uint8, device=x.device)
+    srows, scols = (n, d // group_size) if axis == "token" else (n // group_size, d)
+    scale = torch.empty(b, h, srows, scols, dtype=scale_dtype, device=x.device)
+    lo = torch.empty_like(scale)
+    norm = torch.empty(b, n, dtype=scale_dtype, device=x.device) if token_scaling else None
+    if n == 0:
+        return QuantizedGroups(codes, scale, lo), norm
+
+    block_d = max(16, triton.next_power_of_2(d))
+    clip_on = clip is not None and clip < 1.0
+    pos = clip * (d - 1) if clip_on else 0.0
+    i0 = int(math.floor(pos))
+    if axis == "channel":
+        block_t, tiles = max(16, triton.next_power_of_2(group_size)), n // group_size
+    else:
+        block_t = 16
+        tiles = triton.cdiv(n, block_t)
+    _quantize_pack_kernel[(b, tiles)](
+        x, x.stride(0), x.stride(1), x.stride(2),
+        mean_t, rot,
+        codes, codes.stride(0), codes.stride(1), codes.stride(2),
+        scale, lo, scale.stride(0), scale.stride(1), scale.stride(2),
+        norm if norm is not None else scale, norm.stride(0) if norm is not None else 0,
+        h, n, pos - i0,
+        D=d, BLOCK_D=block_d, BLOCK_T=block_t, CHUNK=min(32, block_d),
+        AXIS_CHANNEL=axis == "channel", GROUP=group_size, HAS_MEAN=mean is not None, TOKEN_SCALING=token_scaling,
+        CLIP=clip_on, CLIP_I0=i0, CLIP_I1=min(i0 + 1, d - 1), SCALE_DTYPE=_TL_DTYPE[scale_dtype],
+    )
+    if scale_dtype is torch.float16 and not (torch.isfinite(scale).all() and torch.isfinite(lo).all()):
+        raise ValueError("Transformed K/V values do not fit fp16 scales; pass scale_dtype=torch.bfloat16 or "
+                         "torch.float32 to the cache.")
+    return QuantizedGroups(codes, scale, lo), norm
