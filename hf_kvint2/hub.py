@@ -225,7 +225,8 @@ def artifact_payload(cache, *, base_model: str | None = None, base_model_revisio
         "format": fmt,
         "format_version": FORMAT_VERSION,
         "hf_kvint2_version": __version__,
-        "base_model": base_model or (calibration or {}).get("base_model") or loaded.get("base_model") or model_name,
+        "base_model": base_model or (calibration or {}).get("base_model") or loaded.get("base_model") or model_name
+        or None,
         "base_model_revision": base_model_revision or (calibration or {}).get("base_model_revision")
         or loaded.get("base_model_revision"),
         **_model_shape_of(cache, inferred),
@@ -420,8 +421,7 @@ def decode_payload(cls, config: dict, tensors: dict, where: str, overrides: dict
 
 # ---------------------------------------------------------------------------------------------- files
 def _hub_errors():
-    from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError, HFValidationError,
-                                        LocalEntryNotFoundError)
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     return EntryNotFoundError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
@@ -472,8 +472,8 @@ def load_artifact(cls, repo_or_path, *, subfolder=None, revision=None, cache_dir
 
     where = f"artifact {str(repo_or_path)!r}" + (f" (subfolder {subfolder!r})" if subfolder else "") + \
         (f" at revision {revision!r}" if revision else "")
-    common = dict(subfolder=subfolder, revision=revision, cache_dir=cache_dir, token=token,
-                  local_files_only=local_files_only)
+    common = {"subfolder": subfolder, "revision": revision, "cache_dir": cache_dir, "token": token,
+                  "local_files_only": local_files_only}
     config_path = resolve_file(repo_or_path, CONFIG_NAME, **common)
     try:
         artifact_config = json.loads(Path(config_path).read_text(encoding="utf-8"))
@@ -506,16 +506,16 @@ def render_card(config: dict, cls_name: str, repo_id: str | None = None, subfold
         def groups(lay):
             return "default" if lay is None else f"{lay['axis']}/{lay['group_size']}" + \
                 (" +norm" if lay.get("token_scaling") else "")
-        def clip(lay, kind):
+        def clip(lay, kind, i=i):
             if lay is not None:
                 return "none" if lay.get("clip") is None else f"{lay['clip']:.3g}"
             value = config["settings"].get(f"{kind}_clip")
             value = value[i] if isinstance(value, list) else value
             return "none" if value is None else f"{value:.3g}"
         rows.append([str(i), layer.get("layout") or "-",
-                     "spectral" if layer.get("key_rotation") else "Hadamard", groups(layer.get("key_layout")),
+                     "stored" if layer.get("key_rotation") else "Hadamard", groups(layer.get("key_layout")),
                      clip(layer.get("key_layout"), "k"),
-                     "spectral" if layer.get("value_rotation") else "Hadamard", groups(layer.get("value_layout")),
+                     "stored" if layer.get("value_rotation") else "Hadamard", groups(layer.get("value_layout")),
                      clip(layer.get("value_layout"), "v"),
                      f"{'yes' if layer.get('key_mean') else 'no'}/{'yes' if layer.get('value_mean') else 'no'}"])
     settings = [(k, "per layer" if isinstance(v, list) else f"`{v}`") for k, v in config["settings"].items()]
@@ -630,8 +630,8 @@ def load_rotation_zoo(cls, path_or_repo, *, subfolder=None, revision=None, cache
                       local_files_only=False, k_method: str = ZOO_K_METHOD, v_method: str = ZOO_V_METHOD,
                       config=None, **overrides):
     """Implementation of ``OscarCache.from_rotation_zoo`` (see there)."""
-    common = dict(subfolder=subfolder, revision=revision, cache_dir=cache_dir, token=token,
-                  local_files_only=local_files_only)
+    common = {"subfolder": subfolder, "revision": revision, "cache_dir": cache_dir, "token": token,
+                  "local_files_only": local_files_only}
     files = {kind: resolve_file(path_or_repo, f"{kind}_rotation_{method}.pt", **common)
              for kind, method in (("k", k_method), ("v", v_method))}
     payloads = {kind: _load_zoo_file(path) for kind, path in files.items()}
@@ -681,8 +681,13 @@ class CacheHubMixin:
         ``quality``: rows (dicts) of the measured quality table for the card, e.g.
         ``[{"cache": "DynamicCache", "perplexity": 28.8}, {"cache": "OscarCache", "perplexity": 30.1}]``.
         ``base_model`` defaults to the calibration's or the model config's name. ``repo_id``/``subfolder`` only
-        fill the card's usage snippet. Returns the folder.
+        fill the card's usage snippet. Returns the folder. Under torch.distributed only rank 0 writes (every rank
+        holds the same calibration).
         """
+        from .distributed import is_main_process
+
+        if not is_main_process():
+            return Path(save_directory)
         return write_artifact(self, save_directory, base_model=base_model, base_model_revision=base_model_revision,
                               quality=quality, repo_id=repo_id, subfolder=subfolder)
 
@@ -705,8 +710,14 @@ class CacheHubMixin:
                     create_pr: bool = False, base_model: str | None = None, base_model_revision: str | None = None,
                     quality: list[dict] | None = None):
         """Save to a temporary folder and upload it to ``repo_id`` (into ``subfolder`` of it when given, e.g. next
-        to a model's own files). Creates the repo if needed. Returns the ``CommitInfo``."""
+        to a model's own files). Creates the repo if needed. Returns the ``CommitInfo`` (None on torch.distributed
+        ranks other than 0, which do not upload)."""
         from huggingface_hub import HfApi
+
+        from .distributed import is_main_process
+
+        if not is_main_process():
+            return None
 
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)

@@ -30,7 +30,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 TOKENS, CHUNK = 40, 8  # > sink + recent, so most tokens end up quantized
 
 
-def tiny_model(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, name="tiny/llama"):
+def make_tiny_llama(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, name="tiny/llama"):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -51,7 +51,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return make_tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -182,15 +182,15 @@ def test_overrides_replace_settings(saved, model, input_ids):
 
 # ------------------------------------------------------------------------------------------------ validation
 @pytest.mark.parametrize("kw,at_first_use,with_config", [
-    (dict(kv_heads=4), "num_key_value_heads=2, but the model .* has num_key_value_heads=4",
+    ({"kv_heads": 4}, "num_key_value_heads=2, but the model .* has num_key_value_heads=4",
      "num_key_value_heads=2, but the model config .* has num_key_value_heads=4"),
-    (dict(head_dim=32), "head_dim=16, but the model .* has head_dim=32", "head_dim=16, but the model config"),
-    (dict(layers=3), "num_layers=2, but the model has num_layers=at least 3", "num_layers=2, but the model config"),
-    (dict(layers=1), "num_layers=2, but the model has num_layers=1", "num_layers=2, but the model config"),
+    ({"head_dim": 32}, "head_dim=16, but the model .* has head_dim=32", "head_dim=16, but the model config"),
+    ({"layers": 3}, "num_layers=2, but the model has num_layers=at least 3", "num_layers=2, but the model config"),
+    ({"layers": 1}, "num_layers=2, but the model has num_layers=1", "num_layers=2, but the model config"),
 ])
 def test_mismatch_is_caught_at_first_use(saved, input_ids, kw, at_first_use, with_config):
     folder, _ = saved
-    other = tiny_model(**kw)
+    other = make_tiny_llama(**kw)
     cache = OscarCache.from_pretrained(folder)
     with pytest.raises(ArtifactError, match=at_first_use):
         chunked_logits(other, cache, input_ids)  # one layer fewer shows when the next forward starts
@@ -200,13 +200,13 @@ def test_mismatch_is_caught_at_first_use(saved, input_ids, kw, at_first_use, wit
 
 def test_other_base_model_only_warns(saved, input_ids):
     folder, expected = saved
-    renamed = tiny_model(name="someone/tiny-llama-finetune")
+    renamed = make_tiny_llama(name="someone/tiny-llama-finetune")
     with pytest.warns(UserWarning, match="calibrated for 'tiny/llama' but the model is 'someone/tiny-llama-finetune'"):
         cache = OscarCache.from_pretrained(folder, config=renamed.config)
     assert torch.equal(chunked_logits(renamed, cache, input_ids), expected)
     with warnings.catch_warnings():  # a local copy keeps the last path component: no warning
         warnings.simplefilter("error")
-        OscarCache.from_pretrained(folder, config=tiny_model(name="/data/copies/LLAMA").config)
+        OscarCache.from_pretrained(folder, config=make_tiny_llama(name="/data/copies/LLAMA").config)
 
 
 # ------------------------------------------------------------------------------------------------ Hub over HTTP
@@ -275,7 +275,7 @@ def test_hub_download_with_revision_and_subfolder_then_offline(hub_server, saved
     OscarCache.from_pretrained(folder, recent_tokens=99).save_pretrained(repo / "main" / "oscar")
     (repo / "v1" / "config.json").write_text(json.dumps(model.config.to_dict()))  # the model's own config
     cache_dir = tmp_path / "hf-cache"
-    args = dict(subfolder="oscar", cache_dir=cache_dir, token="hf_test_token")
+    args = {"subfolder": "oscar", "cache_dir": cache_dir, "token": "hf_test_token"}
 
     cache = OscarCache.from_pretrained("kv-org/tiny-llama", revision="v1", **args)
     assert torch.equal(chunked_logits(model, cache, input_ids), expected)
@@ -458,7 +458,7 @@ def test_rotation_zoo_import(model, input_ids, tmp_path, hub_server):
     v_layers = {str(i): {"layer_id": i, "rotation": rots[LAYERS + i][0].float(), "eigenvalues": rots[LAYERS + i][1]}
                 for i in reversed(range(LAYERS))}
     zoo = _write_zoo(tmp_path / "zoo" / "TinyLlama" / "seq100_group16", k_layers, v_layers)
-    settings = dict(sink_tokens=4, recent_tokens=8)
+    settings = {"sink_tokens": 4, "recent_tokens": 8}
     direct = OscarCache(k_rotations=[rots[i][0].float() for i in range(LAYERS)],
                         v_rotations=[rots[LAYERS + i][0].float() for i in range(LAYERS)], **settings)
     expected = chunked_logits(model, direct, input_ids)
@@ -478,7 +478,7 @@ def test_rotation_zoo_import(model, input_ids, tmp_path, hub_server):
     assert torch.equal(chunked_logits(model, from_hub, input_ids), expected)
     # shapes are checked at first use like any artifact
     with pytest.raises(ArtifactError, match="head_dim=16, but the model .* has head_dim=32"):
-        chunked_logits(tiny_model(head_dim=32), OscarCache.from_rotation_zoo(zoo), input_ids)
+        chunked_logits(make_tiny_llama(head_dim=32), OscarCache.from_rotation_zoo(zoo), input_ids)
 
 
 @pytest.mark.parametrize("edit,message", [
