@@ -473,7 +473,7 @@ def load_artifact(cls, repo_or_path, *, subfolder=None, revision=None, cache_dir
     where = f"artifact {str(repo_or_path)!r}" + (f" (subfolder {subfolder!r})" if subfolder else "") + \
         (f" at revision {revision!r}" if revision else "")
     common = {"subfolder": subfolder, "revision": revision, "cache_dir": cache_dir, "token": token,
-                  "local_files_only": local_files_only}
+              "local_files_only": local_files_only}
     config_path = resolve_file(repo_or_path, CONFIG_NAME, **common)
     try:
         artifact_config = json.loads(Path(config_path).read_text(encoding="utf-8"))
@@ -631,7 +631,7 @@ def load_rotation_zoo(cls, path_or_repo, *, subfolder=None, revision=None, cache
                       config=None, **overrides):
     """Implementation of ``OscarCache.from_rotation_zoo`` (see there)."""
     common = {"subfolder": subfolder, "revision": revision, "cache_dir": cache_dir, "token": token,
-                  "local_files_only": local_files_only}
+              "local_files_only": local_files_only}
     files = {kind: resolve_file(path_or_repo, f"{kind}_rotation_{method}.pt", **common)
              for kind, method in (("k", k_method), ("v", v_method))}
     payloads = {kind: _load_zoo_file(path) for kind, path in files.items()}
@@ -681,13 +681,8 @@ class CacheHubMixin:
         ``quality``: rows (dicts) of the measured quality table for the card, e.g.
         ``[{"cache": "DynamicCache", "perplexity": 28.8}, {"cache": "OscarCache", "perplexity": 30.1}]``.
         ``base_model`` defaults to the calibration's or the model config's name. ``repo_id``/``subfolder`` only
-        fill the card's usage snippet. Returns the folder. Under torch.distributed only rank 0 writes (every rank
-        holds the same calibration).
+        fill the card's usage snippet. Returns the folder.
         """
-        from .distributed import is_main_process
-
-        if not is_main_process():
-            return Path(save_directory)
         return write_artifact(self, save_directory, base_model=base_model, base_model_revision=base_model_revision,
                               quality=quality, repo_id=repo_id, subfolder=subfolder)
 
@@ -710,14 +705,8 @@ class CacheHubMixin:
                     create_pr: bool = False, base_model: str | None = None, base_model_revision: str | None = None,
                     quality: list[dict] | None = None):
         """Save to a temporary folder and upload it to ``repo_id`` (into ``subfolder`` of it when given, e.g. next
-        to a model's own files). Creates the repo if needed. Returns the ``CommitInfo`` (None on torch.distributed
-        ranks other than 0, which do not upload)."""
+        to a model's own files). Creates the repo if needed. Returns the ``CommitInfo``."""
         from huggingface_hub import HfApi
-
-        from .distributed import is_main_process
-
-        if not is_main_process():
-            return None
 
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)
