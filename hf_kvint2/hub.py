@@ -382,11 +382,22 @@ def _apply_clip_override(layouts, key_clip, value_clip):
 _UNSET = object()
 
 
+def _check_clip(value, name: str, num_layers: int | None, where: str) -> None:
+    values = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and len(value) != num_layers:
+        raise _fail(where, f"{name} lists {len(value)} clip ratios but num_layers is {num_layers}.")
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0):
+            raise _fail(where, f"{name} ratios must be numbers in (0, 1] or null, got {v!r}.")
+
+
 def decode_payload(cls, config: dict, tensors: dict, where: str, overrides: dict | None = None,
                    model_config=None):
     """Build a ``cls`` cache from a validated artifact; ``overrides`` replace stored settings."""
     _check_header(cls, config, where)
     kwargs = _settings_from_json(cls, config.get("settings", {}), where)
+    for name in ("k_clip", "v_clip"):
+        _check_clip(kwargs.get(name), name, config.get("num_layers"), where)
     extra = {}
     if cls.artifact_format == OSCAR_FORMAT:
         layer_kwargs, extra = _decode_oscar_layers(config, tensors, where)
