@@ -120,14 +120,15 @@ def check_config(info: dict, config) -> None:
 def check_update(cache, key_states: torch.Tensor, layer_idx: int) -> None:
     """First-use validation, called by the cache on every ``update`` (a few integer compares).
 
-    KV heads and head dim are checked on the first call; the layer count as soon as it is known: a layer index
-    beyond the artifact's layers fails at once, fewer layers fail when the next forward starts at layer 0.
+    KV heads and head dim fail at the first update; the layer count as soon as it is known: a layer index beyond
+    the artifact's layers fails at once, fewer layers fail when the next forward starts at layer 0.
     """
     info = cache.artifact_info
-    where = f"the model (key states of layer {layer_idx} have shape {tuple(key_states.shape)})"
     shard = getattr(cache, "shard", None)  # tensor parallelism: this rank sees 1/world_size of the KV heads
-    heads = key_states.shape[1] * (shard.world_size if shard is not None else 1)
-    check_shape(info, {"num_key_value_heads": heads, "head_dim": key_states.shape[-1]}, where)
+    model = {"num_key_value_heads": key_states.shape[1] * (shard.world_size if shard is not None else 1),
+             "head_dim": key_states.shape[-1]}
+    if any(info.get(k) not in (None, v) for k, v in model.items()):
+        check_shape(info, model, f"the model (key states of layer {layer_idx} have shape {tuple(key_states.shape)})")
     n = info.get("num_layers")
     if n is None:
         return
