@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .distributed import is_main_process, resolve_shard, tp_group
 from .layers import QuantizedStream
 from .recipes import GroupLayout
 from .transforms import hadamard_matrix, spectral_rotation
@@ -252,6 +253,11 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
                          f"model twice), got {value_pass!r}.")
 
     num_layers, q_heads, kv_heads, head_dim = _model_shape(model)
+    # Tensor parallelism: this rank captures its slice of the query and KV heads; the per-head statistics are
+    # gathered at the end, so that every rank fits the artifact one process would fit.
+    shard = resolve_shard(model.config, tp_group(model))
+    local_kv_heads = kv_heads // shard.world_size if shard is not None else kv_heads
+    progress = progress and is_main_process()
     if window <= sink_tokens:
         raise ValueError(f"window={window} must exceed sink_tokens={sink_tokens}.")
     ids = tokenize_texts(tokenizer, texts, num_tokens)
@@ -266,7 +272,7 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
     held_windows = [ids[stat_tokens + i * window: stat_tokens + (i + 1) * window] for i in range(fit_windows)]
     positions = _query_positions(window, fit_queries, sink_tokens, recent_tokens) if fit_windows else None
 
-    stats = [LayerStatistics(kv_heads, head_dim) for _ in range(num_layers)]
+    stats = [LayerStatistics(local_kv_heads, head_dim) for _ in range(num_layers)]
     held_out: list[list[HeldOutLayer | None]] = []
     device = next(model.parameters()).device
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model  # no LM head: logits are not needed
@@ -277,9 +283,10 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
         idx = getattr(module, "layer_idx", None)
         if idx is None:
             raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot attribute its activations.")
-        if query.shape[0] != 1 or key.shape[1] != kv_heads or key.shape[-1] != head_dim or value.shape != key.shape:
+        if query.shape[0] != 1 or key.shape[1] != local_kv_heads or key.shape[-1] != head_dim or \
+                value.shape != key.shape:
             raise RuntimeError(f"Layer {idx}: unexpected attention shapes q={tuple(query.shape)} "
-                               f"k={tuple(key.shape)} v={tuple(value.shape)} (expected batch 1, {kv_heads} KV "
+                               f"k={tuple(key.shape)} v={tuple(value.shape)} (expected batch 1, {local_kv_heads} KV "
                                f"heads, head_dim {head_dim}, equal K/V shapes).")
         q, k, v = query[0], key[0, :, sink_tokens:], value[0, :, sink_tokens:]
         if state["held"] is not None:
@@ -336,7 +343,25 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
         "token_sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
         "seconds_capture": time.perf_counter() - start,
     }
+    if shard is not None:
+        _gather_heads(stats, held_out, shard)
     return CalibrationData(stats, held_out, num_layers, kv_heads, head_dim, info)
+
+
+def _gather_heads(stats: list[LayerStatistics], held_out: list[list[HeldOutLayer]], shard) -> None:
+    """Tensor parallelism: replace every rank's per-head statistics and held-back activations by all heads.
+
+    Rank r holds the contiguous KV heads [r H / n, (r + 1) H / n) and their query heads (transformers shards
+    q/k/v projections column-wise), so concatenating in rank order gives the global head order. Token counts
+    are per head and the same on every rank.
+    """
+    for s in stats:
+        for name in ("qq", "k_sum", "v_sum", "wvv", "wv", "w_sum", "query_metric"):
+            setattr(s, name, shard.all_gather_heads(getattr(s, name)))
+        s.kv_heads = shard.global_kv_heads
+    for window in held_out:
+        for layer in window:
+            layer.q, layer.k, layer.v = (shard.all_gather_heads(t) for t in (layer.q, layer.k, layer.v))
 
 
 # ---------------------------------------------------------------------------------------------- fitting
@@ -562,7 +587,7 @@ def calibrate(model, tokenizer, texts: Sequence[str], num_tokens: int = 30000, w
         "seconds_fit": time.perf_counter() - fit_start, "peak_memory_bytes": _peak_memory_bytes(device),
         "choices": choices,
     }
-    if verbose:
+    if verbose and is_main_process():
         print(calibration_summary(cache))
     return cache
 

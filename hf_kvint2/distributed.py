@@ -87,6 +87,15 @@ class TensorParallelShard:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
+    def all_gather_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's per-head tensor along dim 0, in rank order: the global heads."""
+        device = tensor.device
+        if dist.get_backend(self.group) == "nccl" and device.type != "cuda":  # NCCL moves device tensors only
+            tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts).to(device)
+
 
 def resolve_shard(config, tp_group: dist.ProcessGroup | None = None) -> TensorParallelShard | None:
     """This rank's :class:`TensorParallelShard` for a model config, or None for an unsharded model.
@@ -119,6 +128,11 @@ def resolve_shard(config, tp_group: dist.ProcessGroup | None = None) -> TensorPa
         raise ValueError(f"The model has {heads} KV heads, which do not divide across {world} tensor-parallel "
                          f"ranks; use a tensor-parallel size that divides {heads}.")
     return TensorParallelShard(tp_group, dist.get_rank(tp_group), world, heads)
+
+
+def is_main_process() -> bool:
+    """True unless this is a torch.distributed rank other than 0 (only rank 0 writes or uploads artifacts)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 _warned_undetected = False

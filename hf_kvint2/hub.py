@@ -693,8 +693,13 @@ class CacheHubMixin:
         ``quality``: rows (dicts) of the measured quality table for the card, e.g.
         ``[{"cache": "DynamicCache", "perplexity": 28.8}, {"cache": "OscarCache", "perplexity": 30.1}]``.
         ``base_model`` defaults to the calibration's or the model config's name. ``repo_id``/``subfolder`` only
-        fill the card's usage snippet. Returns the folder.
+        fill the card's usage snippet. Returns the folder. Under torch.distributed only rank 0 writes (every rank
+        holds the same calibration).
         """
+        from .distributed import is_main_process
+
+        if not is_main_process():
+            return Path(save_directory)
         return write_artifact(self, save_directory, base_model=base_model, base_model_revision=base_model_revision,
                               quality=quality, repo_id=repo_id, subfolder=subfolder)
 
@@ -717,8 +722,14 @@ class CacheHubMixin:
                     create_pr: bool = False, base_model: str | None = None, base_model_revision: str | None = None,
                     quality: list[dict] | None = None):
         """Save to a temporary folder and upload it to ``repo_id`` (into ``subfolder`` of it when given, e.g. next
-        to a model's own files). Creates the repo if needed. Returns the ``CommitInfo``."""
+        to a model's own files). Creates the repo if needed. Returns the ``CommitInfo`` (None on torch.distributed
+        ranks other than 0, which do not upload)."""
         from huggingface_hub import HfApi
+
+        from .distributed import is_main_process
+
+        if not is_main_process():
+            return None
 
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True)

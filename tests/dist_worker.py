@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -127,6 +128,26 @@ def run_scenarios(model_dirs: dict[str, str], tensor_parallel: bool) -> tuple[di
     return tensors, info
 
 
+def calibration_scenario(model_dir: str, tensor_parallel: bool, save_dir: str) -> tuple[dict, dict]:
+    """OscarCache.calibrate on the tiny Llama (2 layouts x centering, fixed clips: small but every code path that
+    gathers heads); the artifact tensors as this process holds them, and whether save_pretrained wrote."""
+    from test_calibration import SETTINGS, TEXT, char_tokenizer
+
+    model = load(model_dir, tensor_parallel)
+    cache = OscarCache.calibrate(model, char_tokenizer(), [TEXT], num_tokens=800, fit_clip=False,
+                                 layouts=("spectral", "channel"), progress=False, verbose=False, **SETTINGS)
+    tensors = {}
+    for name in ("k_rotations", "v_rotations", "key_means", "value_means", "k_eigenvalues", "v_eigenvalues"):
+        for idx, t in enumerate(getattr(cache, name)):
+            if t is not None:
+                tensors[f"calib.{name}.{idx}"] = t.float()
+    folder = cache.save_pretrained(save_dir)
+    info = {"layout_names": cache.layout_names, "clips": [cache.settings["k_clip"], cache.settings["v_clip"]],
+            "num_key_value_heads": cache.calibration_info["num_key_value_heads"],
+            "wrote": (Path(folder) / "config.json").exists()}
+    return tensors, info
+
+
 def error_scenarios(model_dirs: dict[str, str]) -> dict[str, str]:
     """Bad tensor-parallel setups; returns the error message each raised (or 'no error')."""
     import torch.distributed as dist
@@ -162,6 +183,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     try:
         tensors, info = run_scenarios(dirs, tensor_parallel=True)
+        calib_tensors, info["calibration"] = calibration_scenario(dirs["llama"], True, os.path.join(out, f"calib{rank}"))
+        tensors.update(calib_tensors)
         info["errors"] = error_scenarios(dirs)
     except Exception:
         with open(os.path.join(out, f"rank{rank}.failed"), "w") as f:

@@ -47,6 +47,9 @@ def runs(tmp_path_factory):
     try:  # the single-process reference runs meanwhile
         dirs = {name: str(root / "models" / name) for name in MODELS}
         reference = dist_worker.run_scenarios(dirs, tensor_parallel=False)
+        calib = dist_worker.calibration_scenario(dirs["llama"], False, str(root / "calib_single"))
+        reference[0].update(calib[0])
+        reference[1]["calibration"] = calib[1]
         log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -123,6 +126,22 @@ def test_tp_accounting_local_and_global(runs, kind):
         "replicated_bytes"]
     if kind == "scaled":  # the omni-token norms are replicated on both ranks
         assert ranks[0][1][f"{tag}.report"]["total"]["norms"] > 0
+
+
+def test_tp_calibration_matches_single_process(runs):
+    (ref, ref_info), ranks = runs
+    names = sorted(k for k in ref if k.startswith("calib."))
+    assert any(".k_rotations." in k for k in names) and any(".key_means." in k for k in names)
+    for rank, (tensors, info) in enumerate(ranks):
+        # every rank ends with the whole artifact: all KV heads, the same choices; only rank 0 writes it
+        assert info["calibration"]["wrote"] == (rank == 0)
+        assert {k: v for k, v in info["calibration"].items() if k != "wrote"} == \
+            {k: v for k, v in ref_info["calibration"].items() if k != "wrote"}
+        assert sorted(k for k in tensors if k.startswith("calib.")) == names
+        for name in names:
+            # float64 statistics of float32 activations that TP's all-reduce order changes in the last bits
+            torch.testing.assert_close(tensors[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
+            assert torch.equal(tensors[name], ranks[0][0][name]), f"{name}: ranks disagree"
 
 
 def test_tp_bad_setups_raise_clear_errors(runs):
