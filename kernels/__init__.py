@@ -102,7 +102,7 @@ def quantize_stream(stream, x):
 
 
 def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None,
-                   num_splits=None):
+                   num_splits=None, dot_dtype=None):
     """Partial attention of rotated queries over a layer's INT2 body.
 
     q_rot: [B, Hq, Lq, D], the queries already rotated by the key rotation (``q.float() @ R_K``).
@@ -110,6 +110,10 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     n_tokens: attend body tokens ``[0, n_tokens)`` (default: all).
     key_mean_logits: [B, Hq, Lq], ``q . mu_K`` (unscaled, original-space q) for centred keys, else None.
     mask: None, or bool (True attends) / additive float, broadcastable to [B, 1, Lq, n_tokens] (body columns).
+    num_splits: token splits per (batch, KV head); default fills the GPU a few times over.
+    dot_dtype: operand dtype of the in-kernel matrix products (fp32 accumulation). Default ``q_rot.dtype``; pass
+        the model's dtype (``query.dtype``) with an fp32 ``q_rot`` so bf16/fp16 models use tensor cores - IEEE fp32
+        products (fp32 models) run on CUDA cores and are several times slower.
     Returns ``(out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``; rows with no attended token get
     ``out_rot = 0`` and ``lse = -inf``.
     """
@@ -117,7 +121,7 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     from .decode_attention import body_attention as impl
 
     return impl(q_rot, key_body, value_body, n_tokens=n_tokens, scaling=scaling, key_mean_logits=key_mean_logits,
-                mask=mask, num_splits=num_splits)
+                mask=mask, num_splits=num_splits, dot_dtype=dot_dtype)
 
 
 def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_splits=None):

@@ -17,6 +17,12 @@ import triton.language as tl
 
 from .reference import _softmax_partial, layer_mask, merge_partials
 
+# Launch settings of the decode kernel (benchmarks/bench_gpu.py sweeps them): tokens per tile, warps per program,
+# and how many programs per SM the split-K grid aims at.
+TUNING = {"block_n": 64, "num_warps": 4, "programs_per_sm": 4}
+# Dot operands: IEEE fp32 for fp32 queries; the model's 16-bit dtype otherwise (as flash attention does).
+_TL_DOT_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
 
 @triton.jit
 def _dequant_subtile(bytes_tile, sub: tl.constexpr, scale_ptr, lo_ptr, sst, norm_ptr, tok, tok_ok, j, j_ok,
@@ -43,6 +49,15 @@ def _dequant_subtile(bytes_tile, sub: tl.constexpr, scale_ptr, lo_ptr, sst, norm
 
 
 @triton.jit
+def _mm(a, b, DOT_DTYPE: tl.constexpr):
+    """a @ b with fp32 accumulation: IEEE fp32 for fp32 models, else in the model's 16-bit dtype (tensor cores)."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), out_dtype=tl.float32)
+
+
+@triton.jit
 def _body_attention_kernel(
     q_ptr, sqb, sqh, sql, qmu_ptr,
     kc_ptr, kcb, kch, kct, ks_ptr, kl_ptr, ksb, ksh, kst, kn_ptr, knb,
@@ -53,7 +68,7 @@ def _body_attention_kernel(
     D: tl.constexpr, BLOCK_D4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_NORM: tl.constexpr,
     V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_NORM: tl.constexpr,
-    HAS_QMU: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_QMU: tl.constexpr, MASK_KIND: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // Hkv
@@ -97,14 +112,14 @@ def _body_attention_kernel(
         tok_ok = tok < t_end
         ok = tok_ok[:, None] & j_ok[None, :]
         kb = tl.load(kc_ptr + tok[:, None] * kct + j[None, :], mask=ok, other=0)
-        qk = tl.dot(q0, tl.trans(_dequant_subtile(kb, 0, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                  K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
-        qk += tl.dot(q1, tl.trans(_dequant_subtile(kb, 1, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                   K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
-        qk += tl.dot(q2, tl.trans(_dequant_subtile(kb, 2, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                   K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
-        qk += tl.dot(q3, tl.trans(_dequant_subtile(kb, 3, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                   K_CHANNEL, K_GROUP, D, K_NORM)), input_precision=PRECISION)
+        qk = _mm(q0, tl.trans(_dequant_subtile(kb, 0, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                  K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
+        qk += _mm(q1, tl.trans(_dequant_subtile(kb, 1, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                   K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
+        qk += _mm(q2, tl.trans(_dequant_subtile(kb, 2, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                   K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
+        qk += _mm(q3, tl.trans(_dequant_subtile(kb, 3, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                   K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
         if HAS_QMU:
             qk += qmu[:, None]
         s = qk * scaling
@@ -125,18 +140,18 @@ def _body_attention_kernel(
         m_i = m_new
 
         vb = tl.load(vc_ptr + tok[:, None] * vct + j[None, :], mask=ok, other=0)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 0, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+        acc0 = acc0 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 0, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
                                                                    j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              input_precision=PRECISION)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 1, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                              DOT_DTYPE)
+        acc1 = acc1 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 1, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
                                                                    j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              input_precision=PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 2, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                              DOT_DTYPE)
+        acc2 = acc2 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 2, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
                                                                    j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              input_precision=PRECISION)
-        acc3 = acc3 * alpha[:, None] + tl.dot(p, _dequant_subtile(vb, 3, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
+                                              DOT_DTYPE)
+        acc3 = acc3 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 3, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
                                                                    j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              input_precision=PRECISION)
+                                              DOT_DTYPE)
 
     has = l_i > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -185,7 +200,7 @@ def _sm_count(device) -> int:
 
 
 def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None,
-                   num_splits=None, block_n=None):
+                   num_splits=None, dot_dtype=None, block_n=None):
     """See :func:`hf_kvint2.kernels.body_attention`."""
     if q_rot.dim() != 4:
         raise ValueError(f"q_rot must be [batch, q_heads, q_len, head_dim], got {tuple(q_rot.shape)}.")
@@ -218,11 +233,11 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
         mk = mk[..., :n].expand(b, 1, lq, n)
         mask_kind = 1 if mk.dtype == torch.bool else 2
 
-    block_n = block_n or 64
+    block_n = block_n or TUNING["block_n"]
     block_m = max(16, min(64, triton.next_power_of_2(n_rep * lq)))
     row_blocks = triton.cdiv(n_rep * lq, block_m)
-    if num_splits is None:  # enough programs to fill the GPU twice, each with at least 4 tiles
-        want = triton.cdiv(2 * _sm_count(q.device), b * hkv * row_blocks)
+    if num_splits is None:  # enough programs to fill the GPU a few times over, each with at least 4 tiles
+        want = triton.cdiv(TUNING["programs_per_sm"] * _sm_count(q.device), b * hkv * row_blocks)
         num_splits = max(1, min(want, triton.cdiv(n, 4 * block_n), 512))
     tokens_per_split = triton.cdiv(triton.cdiv(n, num_splits), block_n) * block_n
     num_splits = triton.cdiv(n, tokens_per_split)
@@ -230,7 +245,9 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     part_lse = lse if num_splits == 1 else torch.empty(b, hq, lq, num_splits, dtype=torch.float32, device=q.device)
 
     k_lay, v_lay = key_body.layout, value_body.layout
-    precision = "ieee" if q_rot.dtype == torch.float32 else "tf32"
+    dot_dtype = _TL_DOT_DTYPE[q_rot.dtype if dot_dtype is None else dot_dtype]
+    if dot_dtype == tl.bfloat16 and not q.is_cuda:  # the interpreter keeps bf16 as raw uint16: its dots are wrong
+        dot_dtype = tl.float32
     dummy = q
     _body_attention_kernel[(b * hkv, row_blocks, num_splits)](
         q, q.stride(0), q.stride(1), q.stride(2), qmu if qmu is not None else dummy,
@@ -244,7 +261,8 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
         D=d, BLOCK_D4=max(16, triton.next_power_of_2(d // 4)), BLOCK_M=block_m, BLOCK_N=block_n,
         K_CHANNEL=k_lay.axis == "channel", K_GROUP=key_body.group, K_NORM=kn is not None,
         V_CHANNEL=v_lay.axis == "channel", V_GROUP=value_body.group, V_NORM=vn is not None,
-        HAS_QMU=qmu is not None, MASK_KIND=mask_kind, PRECISION=precision,
+        HAS_QMU=qmu is not None, MASK_KIND=mask_kind, DOT_DTYPE=dot_dtype,
+        num_warps=TUNING["num_warps"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(b * hq * lq,)](part, part_lse, out, lse, num_splits, D=d,
@@ -272,7 +290,8 @@ def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_sp
             qmu = (qf.reshape(b, hkv, hq // hkv, lq, d) * kb.mean[None, :, None, None, :]).sum(-1).reshape(b, hq, lq)
         body_mask = None if attention_mask is None else attention_mask[..., n_sink:n_sink + n_body]
         out_rot, lse = body_attention(qf @ kb.rotation, kb, vb, n_tokens=n_body, scaling=scaling,
-                                      key_mean_logits=qmu, mask=body_mask, num_splits=num_splits, block_n=block_n)
+                                      key_mean_logits=qmu, mask=body_mask, num_splits=num_splits,
+                                      dot_dtype=query.dtype, block_n=block_n)
         out = out_rot @ vb.rotation.T
         if vb.mean is not None:
             out = out + vb.mean.repeat_interleave(hq // hkv, dim=0)[None, :, None, :]
