@@ -1,0 +1,483 @@
+"""The transformers cache contract (SPEC 7) on tiny random Llama / Qwen2 / Mistral models: exactness with the
+windows covering every token, every generation mode, reuse across generate calls, the batch/crop operations,
+sliding-window layer types, bad input, and bits/memory accounting against the tensors actually held."""
+
+import pytest
+import torch
+from conftest import TINY_ARCHS, TINY_VOCAB, tiny_config
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hf_kvint2 import OscarCache, OscarLayer, OscarScaledCache
+from hf_kvint2.recipes import oscar_recipe
+
+KINDS = ("scaled", "oscar")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ALL_TOKENS = 4096  # a recent window longer than any sequence here: quantization disabled
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def full_precision_cache(kind, **kw):
+    return OscarScaledCache(recent_tokens=ALL_TOKENS, **kw) if kind == "scaled" else OscarCache(
+        recent_tokens=ALL_TOKENS, **kw)
+
+
+def quantized_cache(kind, **kw):
+    """Small windows so that a few dozen tokens already fill the INT2 body (OScaR: blocks of 8 tokens)."""
+    if kind == "scaled":
+        return OscarScaledCache(**{"recent_tokens": 8, "group_size": 8, **kw})
+    return OscarCache(**{"sink_tokens": 4, "recent_tokens": 8, **kw})
+
+
+def prompt(batch=1, length=24, seed=0):
+    return torch.randint(2, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def stored_kv(layer: OscarLayer):
+    """What later tokens attend to: sink, dequantized body, recent window, in the model dtype."""
+    bk, bv = layer.dequantized_body()
+    return (torch.cat([layer.sink_k, bk, layer.recent_k], dim=-2), torch.cat([layer.sink_v, bv, layer.recent_v], dim=-2))
+
+
+def replay_into_dynamic(cache) -> DynamicCache:
+    """A DynamicCache holding exactly the K/V an Oscar cache presents to the next forward."""
+    dyn = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        dyn.update(*stored_kv(layer), idx)
+    return dyn
+
+
+@torch.no_grad()
+def forward(model, ids, cache, **kw):
+    return model(ids, past_key_values=cache, use_cache=True, **kw).logits.float()
+
+
+def assert_body_filled(cache):
+    for layer in cache.layers:
+        assert layer.body_len > 0 and layer.key_body.codes.rows > 0, f"nothing was quantized in {layer}"
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_windows_covering_all_tokens_reproduce_dynamic_cache(tiny_model, kind, arch, dtype):
+    model = tiny_model(arch, dtype)
+    ids = prompt(batch=2, length=30)
+    ours, ref = full_precision_cache(kind), DynamicCache()
+    # prefill, single-token decode steps, then a multi-token chunk (as assisted decoding sends)
+    for chunk in (slice(0, 16), slice(16, 17), slice(17, 18), slice(18, 19), slice(19, 30)):
+        got, want = forward(model, ids[:, chunk], ours), forward(model, ids[:, chunk], ref)
+        tol = 1e-5 if dtype is torch.float32 else 0.0  # same K/V, same kernels: bit-identical in half precision
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+    assert ours.get_seq_length() == ref.get_seq_length() == 30
+    assert all(layer.body_len == 0 for layer in ours.layers)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_decode_tracks_dynamic_cache(tiny_model, kind, arch, dtype):
+    """Teacher-forced decode with a filled INT2 body: the prefill is exact (the chunk is attended at full
+    precision), later steps stay close (tiny random models at INT2: 67-95% top-1 agreement, logit error ~0.3)."""
+    model = tiny_model(arch, dtype)
+    ids = prompt(batch=2, length=40, seed=1)
+    ours, ref = quantized_cache(kind), DynamicCache()
+    torch.testing.assert_close(forward(model, ids[:, :16], ours), forward(model, ids[:, :16], ref), atol=0, rtol=0)
+    got = torch.cat([forward(model, ids[:, j:j + 1], ours) for j in range(16, 40)], 1)
+    want = torch.cat([forward(model, ids[:, j:j + 1], ref) for j in range(16, 40)], 1)
+    assert_body_filled(ours)
+    agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert agreement >= 0.5 and rel < 0.5, f"top-1 agreement {agreement:.2f}, relative logit error {rel:.3f}"
+
+
+# ---------------------------------------------------------------------------------------------- generation
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, top_k=0, temperature=1.0),
+    "beam3": dict(num_beams=3, do_sample=False),
+    "prompt_lookup": dict(prompt_lookup_num_tokens=3, do_sample=False),
+}
+
+
+def repetitive_prompt(length=24):
+    """Repeated n-grams, so prompt-lookup decoding finds candidates (and has to crop rejected ones)."""
+    return torch.tensor([[5, 9, 17, 33, 65, 3, 7, 11] * (length // 8)])
+
+
+def left_padded_batch():
+    ids = prompt(batch=2, length=20, seed=2)
+    mask = torch.ones_like(ids)
+    ids[0, :7], mask[0, :7] = 0, 0  # row 0 is 13 tokens long, left-padded
+    return ids, mask
+
+
+def generate(model, cache, mode, ids, mask=None, new=8, seed=0):
+    torch.manual_seed(seed)
+    kw = {} if mask is None else {"attention_mask": mask}
+    return model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, **MODES[mode], **kw)
+
+
+def _mode_inputs(mode):
+    if mode == "left_padded":
+        return ("greedy", *left_padded_batch())
+    if mode == "prompt_lookup":
+        return mode, repetitive_prompt(), None
+    return mode, prompt(length=20, seed=3), None
+
+
+@pytest.mark.parametrize("mode", [*MODES, "left_padded"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_generation_with_full_windows_matches_dynamic_cache(tiny_model, kind, mode):
+    model = tiny_model("llama")
+    gen_mode, ids, mask = _mode_inputs(mode)
+    want = generate(model, DynamicCache(), gen_mode, ids, mask)
+    cache = full_precision_cache(kind)
+    got = generate(model, cache, gen_mode, ids, mask)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == got.shape[1] - 1
+
+
+@pytest.mark.parametrize("mode", [*MODES, "left_padded"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_generation_with_quantization(tiny_model, kind, mode):
+    """Every mode runs with a filled INT2 body; the first new token (prefill logits are exact) matches DynamicCache,
+    and the cache ends up holding exactly the tokens generated (prompt lookup crops rejected candidates)."""
+    model = tiny_model("llama")
+    gen_mode, ids, mask = _mode_inputs(mode)
+    cache = quantized_cache(kind)
+    crops = []
+    crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), crop(n))[1]
+    got = generate(model, cache, gen_mode, ids, mask, new=12)
+    assert got.shape == (ids.shape[0], ids.shape[1] + 12) and torch.equal(got[:, : ids.shape[1]], ids)
+    assert cache.get_seq_length() == got.shape[1] - 1
+    assert all(layer.seq_len == got.shape[1] - 1 == stored_kv(layer)[0].shape[-2] for layer in cache.layers)
+    assert_body_filled(cache)
+    if gen_mode in ("greedy", "prompt_lookup"):  # (beam search may later drop the first step's best token)
+        want = generate(model, DynamicCache(), gen_mode, ids, mask, new=1)
+        assert torch.equal(got[:, : ids.shape[1] + 1], want)
+    if mode == "prompt_lookup":  # transformers' QuantizedCache raises NotImplementedError here
+        assert any(n < 0 for n in crops), f"no candidate was rejected: crop calls {crops}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_cache_across_generate_calls(tiny_model, kind):
+    model = tiny_model("qwen2")
+    first = prompt(length=20, seed=4)
+    follow_up = prompt(length=6, seed=5)
+    # continuing a conversation: the second call only feeds the tokens the cache has not seen
+    outs = {}
+    for name, cache in (("ours", full_precision_cache(kind)), ("dynamic", DynamicCache())):
+        a = generate(model, cache, "greedy", first)
+        b = generate(model, cache, "greedy", torch.cat([a, follow_up], 1))
+        assert cache.get_seq_length() == b.shape[1] - 1
+        outs[name] = b
+    assert torch.equal(outs["ours"], outs["dynamic"])
+    cache = quantized_cache(kind)
+    a = generate(model, cache, "greedy", first)
+    b = generate(model, cache, "greedy", torch.cat([a, follow_up], 1))
+    assert cache.get_seq_length() == b.shape[1] - 1 and torch.equal(b[:, : a.shape[1]], a)
+    # after reset() the same cache object behaves exactly like a fresh one
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.memory_report()["total"]["total_bytes"] == 0
+    again = generate(model, cache, "greedy", follow_up.repeat(1, 4))
+    fresh = generate(model, quantized_cache(kind), "greedy", follow_up.repeat(1, 4))
+    assert torch.equal(again, fresh)
+
+
+# ---------------------------------------------------------------------------------------------- contract methods
+def _filled(model, kind, batch=3, length=29, seed=6, rows=None):
+    """A quantized cache after a 20-token prefill and single-token steps; ``rows`` reorders the prompts first."""
+    cache = quantized_cache(kind)
+    ids = prompt(batch=batch, length=length, seed=seed)
+    if rows is not None:
+        ids = ids[rows]
+    forward(model, ids[:, :20], cache)
+    for j in range(20, length):
+        forward(model, ids[:, j:j + 1], cache)
+    assert_body_filled(cache)
+    return cache, ids
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seq_length_and_mask_sizes(tiny_model, kind):
+    model = tiny_model("llama")
+    cache = quantized_cache(kind)
+    assert cache.get_seq_length() == 0
+    ids = prompt(length=30)
+    forward(model, ids[:, :21], cache)
+    assert cache.get_seq_length() == 21
+    forward(model, ids[:, 21:22], cache)
+    assert cache.get_seq_length() == 22 and cache.get_seq_length(1) == 22
+    assert cache.get_mask_sizes(1, 0) == (23, 0) and cache.get_mask_sizes(5, 1) == (27, 0)
+    layer = cache.layers[0]
+    assert layer.sink_k.shape[-2] + layer.body_len + layer.recent_k.shape[-2] == 22
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reorder_cache(tiny_model, kind):
+    """Beam search's reorder: the cache then continues exactly like one built from the reordered rows."""
+    model = tiny_model("llama")
+    beam_idx = torch.tensor([2, 0, 0])
+    cache, _ = _filled(model, kind)
+    cache.reorder_cache(beam_idx)
+    ref, _ = _filled(model, kind, rows=beam_idx)
+    nxt = prompt(batch=3, length=1, seed=7)
+    torch.testing.assert_close(forward(model, nxt, cache), forward(model, nxt, ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_select_indices(tiny_model, kind):
+    model = tiny_model("llama")
+    cache, _ = _filled(model, kind)
+    full, _ = _filled(model, kind)
+    nxt = prompt(batch=3, length=2, seed=8)
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    assert all(layer.batch_size == 2 for layer in cache.layers)
+    torch.testing.assert_close(forward(model, nxt[[0, 2]], cache), forward(model, nxt, full)[[0, 2]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batch_repeat_interleave_then_forward(tiny_model, kind):
+    """transformers' QuantizedCache fails at the forward after batch_repeat_interleave; here every repeated row
+    continues exactly like the original row."""
+    model = tiny_model("llama")
+    cache, _ = _filled(model, kind, batch=2)
+    single, _ = _filled(model, kind, batch=2)
+    cache.batch_repeat_interleave(3)
+    assert all(layer.batch_size == 6 for layer in cache.layers)
+    assert cache.get_seq_length() == single.get_seq_length()
+    nxt = prompt(batch=2, length=3, seed=9)
+    got = forward(model, nxt.repeat_interleave(3, 0), cache)
+    want = forward(model, nxt, single).repeat_interleave(3, 0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # and a further decode step still works on the grown batch
+    step = forward(model, got[:, -1:].argmax(-1), cache)
+    assert step.shape == (6, 1, TINY_VOCAB) and cache.get_seq_length() == 33
+
+
+def _crop_cases():
+    # (kind, cache kwargs, tokens held before the crop, target length, where the cut falls)
+    return [
+        ("oscar", dict(sink_tokens=4, recent_tokens=8), 30, 26, "recent"),
+        ("oscar", dict(sink_tokens=4, recent_tokens=8), 30, 13, "per-token body"),
+        ("oscar", dict(sink_tokens=4, recent_tokens=8), 30, 3, "sink"),
+        ("scaled", dict(recent_tokens=8, group_size=8), 30, 27, "recent"),
+        ("scaled", dict(recent_tokens=8, group_size=8), 30, 16, "block boundary in the body"),
+        ("scaled", dict(recent_tokens=8, group_size=8), 30, 13, "inside a per-channel block"),
+        ("scaled", dict(sink_tokens=4, recent_tokens=8, group_size=8), 30, 2, "sink"),
+    ]
+
+
+@pytest.mark.parametrize("kind,kw,held,target,where", _crop_cases(), ids=lambda c: str(c) if isinstance(c, str) else "")
+def test_crop(tiny_model, kind, kw, held, target, where):
+    """After crop the cache presents exactly the kept prefix of what it stored, and the next forward equals a
+    DynamicCache holding those same K/V. (transformers' QuantizedCache raises on crop.)"""
+    model = tiny_model("llama")
+    cache = quantized_cache(kind, **kw)
+    ids = prompt(batch=2, length=held + 4, seed=10)
+    forward(model, ids[:, :18], cache)
+    for j in range(18, held):
+        forward(model, ids[:, j:j + 1], cache)
+    before = [stored_kv(layer) for layer in cache.layers]
+    cache.crop(target - held)
+    assert cache.get_seq_length() == target
+    for layer, (k, v) in zip(cache.layers, before):
+        k2, v2 = stored_kv(layer)
+        assert torch.equal(k2, k[:, :, :target]) and torch.equal(v2, v[:, :, :target])
+        block = layer.recipe.demotion_block
+        assert layer.body_len % block == 0
+    dyn = replay_into_dynamic(cache)
+    nxt = ids[:, held:held + 3]
+    torch.testing.assert_close(forward(model, nxt, cache), forward(model, nxt, dyn), atol=1e-5, rtol=0)
+    # decoding continues, re-filling the body from the new position
+    for j in range(8):
+        forward(model, ids[:, j:j + 1], cache)
+    assert cache.get_seq_length() == target + 3 + 8
+
+
+def test_crop_of_nothing_and_of_everything(tiny_model):
+    model = tiny_model("llama")
+    cache, _ = _filled(model, "scaled", batch=1)
+    before = [stored_kv(layer) for layer in cache.layers]
+    cache.crop(0)
+    assert all(torch.equal(stored_kv(layer)[0], k) for layer, (k, _) in zip(cache.layers, before))
+    cache.crop(-cache.get_seq_length())
+    assert cache.get_seq_length() == 0 and cache.memory_report()["total"]["codes"] == 0
+    forward(model, prompt(length=5), cache)
+    assert cache.get_seq_length() == 5
+
+
+# ---------------------------------------------------------------------------------------------- layer types
+def _sliding_config(layer_types, **kw):
+    return tiny_config("qwen2", layer_types=layer_types, sliding_window=6, use_sliding_window=True, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sliding_window_layers_stay_full_precision(kind):
+    config = _sliding_config(["full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = prompt(length=24, seed=11)
+    cache = full_precision_cache(kind, config=config)
+    assert [type(layer).__name__ for layer in cache.layers] == ["OscarLayer", "DynamicSlidingWindowLayer"]
+    ref = DynamicCache(config=config)
+    for chunk in (slice(0, 16), slice(16, 17), slice(17, 24)):
+        torch.testing.assert_close(forward(model, ids[:, chunk], cache), forward(model, ids[:, chunk], ref),
+                                   atol=1e-5, rtol=0)
+    quant = quantized_cache(kind, config=config)
+    out = model.generate(ids, past_key_values=quant, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    report = quant.memory_report()
+    kinds = [row["kind"] for row in report["layers"]]
+    assert kinds == ["OscarLayer", "DynamicSlidingWindowLayer"]
+    sliding = report["layers"][1]
+    assert sliding["codes"] == 0 and sliding["full_precision"] > 0 and sliding["bits_per_element"] == 32.0
+    assert report["layers"][0]["codes"] > 0
+    assert quant.get_seq_length() == out.shape[1] - 1
+
+
+def test_unknown_layer_type_is_rejected_by_name():
+    config = _sliding_config(["full_attention", "sliding_attention"])
+    config.layer_types = ["full_attention", "linear_attention"]
+    for make in (OscarScaledCache, OscarCache):
+        with pytest.raises(ValueError, match="Layer 1 .* 'linear_attention'"):
+            make(config=config)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _kv(b=1, h=2, t=3, d=16, dtype=torch.float32):
+    return torch.randn(b, h, t, d, dtype=dtype), torch.randn(b, h, t, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_input_errors_name_the_problem(kind):
+    cache = quantized_cache(kind)
+    with pytest.raises(ValueError, match="layer 0: expected key/value states of rank 4"):
+        cache.update(torch.randn(2, 3, 16), torch.randn(2, 3, 16), 0)
+    with pytest.raises(ValueError, match="unsupported K/V dtype torch.float64"):
+        cache.update(*_kv(dtype=torch.float64), 0)
+    cache.update(*_kv(), 0)
+    with pytest.raises(ValueError, match="kv_heads=3,.* kv_heads=2.*reset"):
+        cache.update(*_kv(h=3), 0)
+    with pytest.raises(ValueError, match="batch=2.* batch=1"):
+        cache.update(*_kv(b=2), 0)
+    with pytest.raises(ValueError, match="dtype changed from torch.float32 to torch.bfloat16"):
+        cache.update(*_kv(dtype=torch.bfloat16), 0)
+    k, v = _kv()
+    with pytest.raises(ValueError, match="differ in shape"):
+        cache.update(k, v[:, :, :2], 0)
+    with pytest.raises(ValueError, match="head_dim=18 is not supported"):
+        quantized_cache(kind).update(*_kv(d=18), 0)
+    assert cache.get_seq_length() == 3  # rejected calls left the cache untouched
+    cache.reset()
+    cache.update(*_kv(b=2, h=3), 0)  # after reset a different shape is fine
+    assert cache.layers[0].batch_size == 2
+
+
+def test_rotation_and_calibration_shape_errors():
+    with pytest.raises(ValueError, match="key rotation of layer 0 is \\(8, 8\\) but the model's head_dim is 16"):
+        OscarCache(k_rotations=[torch.eye(8)], v_rotations=[torch.eye(16)]).update(*_kv(), 0)
+    with pytest.raises(ValueError, match="value rotation of layer 0 is not orthogonal"):
+        OscarCache(v_rotations=[2 * torch.eye(16)]).update(*_kv(), 0)
+    with pytest.raises(ValueError, match="key mean of layer 0 is \\(3, 16\\), expected \\(kv_heads=2, head_dim=16\\)"):
+        OscarCache(key_means=[torch.zeros(3, 16)]).update(*_kv(), 0)
+    with pytest.raises(ValueError, match="k_rotations has 1 entries but the model has a layer 1"):
+        OscarCache(k_rotations=[torch.eye(16)]).update(*_kv(), 1)
+    with pytest.raises(ValueError, match="k_rotations has 1 entries but the model has 2 layers"):
+        OscarCache(config=tiny_config("llama"), k_rotations=[torch.eye(16)])
+    with pytest.raises(ValueError, match="Clip ratio"):
+        OscarCache(k_clip=1.5).update(*_kv(), 0)
+    with pytest.raises(ValueError, match="recent_tokens must be a non-negative int"):
+        OscarScaledCache(recent_tokens=-1)
+
+
+# ---------------------------------------------------------------------------------------------- accounting
+def _held_bytes(layer: OscarLayer) -> dict:
+    """Bytes of the tensors a layer holds, found by walking its attributes (independent of memory_bytes)."""
+    out = {"codes": 0, "scales": 0, "norms": 0, "full_precision": 0}
+    for t in (layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v):
+        out["full_precision"] += t.numel() * t.element_size()
+    for stream in (layer.key_body, layer.value_body):
+        for kind, buf in (("codes", stream.codes), ("scales", stream.scale), ("scales", stream.lo),
+                          ("norms", stream.norm)):
+            view = None if buf is None else buf.view()
+            if view is not None:
+                out[kind] += view.numel() * view.element_size()
+    return out
+
+
+def _expected_bytes(kind, b, h, d, tokens, sink, recent, group, elt):
+    """Bytes from the storage formula of SPEC 2 (scales and lo in fp16, norms fp16 per token and batch row)."""
+    if kind == "oscar":
+        body = tokens - sink - recent if tokens > sink + recent else 0
+        g = min(group, d)
+        codes = 2 * b * h * body * d // 4
+        scales = 2 * 2 * b * h * body * (d // g) * 2
+        norms = 0
+    else:
+        body = max(tokens - sink - recent, 0) // group * group
+        codes = 2 * b * h * body * d // 4
+        key_scales = 2 * b * h * (body // group) * d * 2
+        value_scales = 2 * b * h * body * (d // min(group, d)) * 2
+        scales, norms = key_scales + value_scales, b * body * 2
+    fp = 2 * b * h * (tokens - body) * d * elt
+    return {"codes": codes, "scales": scales, "norms": norms, "full_precision": fp}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_memory_report_counts_the_bytes_held(tiny_model, kind, dtype):
+    model = tiny_model("mistral", dtype)
+    cache = quantized_cache(kind)
+    ids = prompt(batch=2, length=45, seed=12)
+    forward(model, ids[:, :30], cache)
+    for j in range(30, 45):
+        forward(model, ids[:, j:j + 1], cache)
+    report = cache.memory_report()
+    total_bits, total_elements = 0, 0
+    sink, recent, group = (0, 8, 8) if kind == "scaled" else (4, 8, 128)
+    for idx, layer in enumerate(cache.layers):
+        held = _held_bytes(layer)
+        row = report["layers"][idx]
+        for key in held:
+            assert row[key] == held[key], (key, row, held)
+        assert held == _expected_bytes(kind, 2, 2, 16, 45, sink, recent, group, dtype.itemsize)
+        elements = 2 * 2 * 2 * 16 * 45
+        assert row["elements"] == elements
+        assert row["bits_per_element"] == pytest.approx(8 * sum(held.values()) / elements)
+        assert cache.bits_per_element(idx) == pytest.approx(row["bits_per_element"])
+        total_bits += 8 * sum(held.values())
+        total_elements += elements
+    assert cache.bits_per_element() == pytest.approx(total_bits / total_elements)
+    assert report["total"]["total_bytes"] * 8 == total_bits
+
+
+def _fill_long(cache, tokens=131072, d=128, chunk=32768):
+    g = torch.Generator().manual_seed(0)
+    for start in range(0, tokens, chunk):
+        k = torch.randn(1, 1, chunk, d, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 1, chunk, d, generator=g).to(torch.bfloat16)
+        cache.update(k, v, 0)
+    return cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bits_per_element_at_128k_tokens(kind):
+    """SPEC 2 / issue 2: at 131072 tokens, head_dim 128, bf16, default settings, OSCAR stores 2.25-2.30 bits per
+    element and OScaR about 3 (3 for codes + scales, plus the key norms and the full-precision window)."""
+    tokens, d = 131072, 128
+    cache = _fill_long(OscarCache() if kind == "oscar" else OscarScaledCache(), tokens, d)
+    layer = cache.layers[0]
+    assert layer.seq_len == tokens
+    held = _held_bytes(layer)
+    bits = cache.bits_per_element()
+    assert bits == pytest.approx(8 * sum(held.values()) / (2 * tokens * d))
+    if kind == "oscar":  # sink 64 + recent 256 in bf16, 2 + 32/128 bits per element elsewhere
+        formula = ((tokens - 320) * (2 + 32 / 128) + 320 * 16) / tokens
+        assert 2.25 <= bits <= 2.30
+    else:  # recent 128 in bf16; body: keys 2 + 32/32 + 16/128 (norm), values 2 + 32/32
+        formula = ((tokens - 128) * (3 + 16 / 128 / 2) + 128 * 16) / tokens
+        assert 3.0 <= bits <= 3.1
+    assert bits == pytest.approx(formula, rel=1e-12)
