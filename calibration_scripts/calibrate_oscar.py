@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--recent-tokens", type=int, default=256)
     p.add_argument("--output", required=True, help="folder to write the artifact to")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="also upload the artifact to this repo")
+    p.add_argument("--save-statistics", metavar="FILE", default=None,
+                   help="also write the raw calibration statistics and held-back activations (safetensors), e.g. "
+                        "for benchmarks/calibration_ablation.py --statistics FILE")
     return p.parse_args(argv)
 
 
@@ -74,7 +77,9 @@ def main(argv=None) -> int:
         layouts=layouts, centering=(False,) if args.no_centering else (False, True),
         sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, data_description=", ".join(names),
         model_id=model_id, model_revision=revision, verbose=False)
-    folder = cache.save_pretrained(args.output)
+    folder = cache.save_pretrained(args.output, repo_id=args.push_to_hub)
+    if args.save_statistics:
+        cache.calibration_report["data"].save(args.save_statistics)
     where = str(folder or args.output)
     if args.push_to_hub:
         cache.push_to_hub(args.push_to_hub)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import resource
@@ -127,6 +128,8 @@ class LayerStatistics:
         self.w_sum = torch.zeros(h, **f64)
         self.query_metric: torch.Tensor | None = None  # M_h [H, d, d], fixed by finish_pass1
 
+    _STATE = ("qq", "k_sum", "v_sum", "wvv", "wv", "w_sum", "query_metric")
+
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qq, self.k_sum, self.v_sum, self.wvv, self.wv, self.w_sum, self.query_metric)
                 if t is not None]
@@ -201,16 +204,53 @@ class CalibrationData:
     head_dim: int
     info: dict = field(default_factory=dict)
 
+    def save(self, path) -> None:
+        """Write everything to one safetensors file (for re-fitting variants without re-running the model)."""
+        from safetensors.torch import save_file
+
+        tensors = {f"stats.{i}.{n}": getattr(s, n) for i, s in enumerate(self.stats) for n in LayerStatistics._STATE
+                   if getattr(s, n) is not None}
+        scaling = []
+        for w, layers in enumerate(self.held_out):
+            scaling.append([h.scaling for h in layers])
+            for i, h in enumerate(layers):
+                tensors.update({f"held.{w}.{i}.{n}": getattr(h, n).clone(memory_format=torch.contiguous_format) for n in ("q", "k", "v", "positions")})
+        meta = dict(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim, info=self.info,
+                    counts=[(s.q_count, s.kv_count) for s in self.stats], scaling=scaling)
+        save_file(tensors, str(path), metadata={"calibration_data": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path) -> "CalibrationData":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["calibration_data"])
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        stats = []
+        for i, (q_count, kv_count) in enumerate(meta["counts"]):
+            s = LayerStatistics(meta["kv_heads"], meta["head_dim"])
+            for n in LayerStatistics._STATE:
+                setattr(s, n, t.get(f"stats.{i}.{n}"))
+            s.q_count, s.kv_count = q_count, kv_count
+            stats.append(s)
+        held = [[HeldOutLayer(*(t[f"held.{w}.{i}.{n}"] for n in ("q", "k", "v", "positions")), sc)
+                 for i, sc in enumerate(layer_scaling)] for w, layer_scaling in enumerate(meta["scaling"])]
+        return cls(stats, held, meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["info"])
+
 
 def tokenize_texts(tokenizer, texts: Sequence[str], num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` token ids of the texts, tokenized one by one and concatenated."""
+    """The first ``num_tokens`` token ids of the texts, tokenized one by one without special tokens (windows are
+    slices of this stream) and concatenated. ``tokenizer`` needs ``encode(text, add_special_tokens=False)``."""
     if isinstance(texts, str):
         texts = [texts]
     if not texts or not all(isinstance(t, str) and t.strip() for t in texts):
         raise ValueError("texts must be a non-empty list of non-empty strings (the calibration corpus).")
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text, verbose=False)["input_ids"])
+        try:  # verbose=False: transformers tokenizers would warn that the text exceeds the model's length
+            ids.extend(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+        except TypeError:
+            ids.extend(tokenizer.encode(text, add_special_tokens=False))
         if len(ids) >= num_tokens:
             break
     return torch.tensor(ids[:num_tokens], dtype=torch.long)
@@ -526,6 +566,25 @@ def build_cache(data: CalibrationData, choices: Sequence[LayerChoice], config=No
     return cache
 
 
+def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], config, data_description: str,
+                     model_id: str | None = None, model_revision: str | None = None, *, layouts=LAYOUTS,
+                     centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID) -> dict:
+    """The deterministic description stored in the artifact (no timings: same inputs, same bytes)."""
+    return {
+        "base_model": model_id or getattr(config, "name_or_path", None) or None,
+        "base_model_revision": model_revision or getattr(config, "_commit_hash", None),
+        "num_layers": data.num_layers, "num_key_value_heads": data.kv_heads, "head_dim": data.head_dim,
+        "data": data_description,
+        "num_tokens": data.info["num_tokens"], "statistics_tokens": data.info["statistics_tokens"],
+        "held_out_tokens": data.info["held_out_tokens"], "window": data.info["window"],
+        "token_sha256": data.info["token_sha256"],
+        "method": "two-pass streaming qqt/sst metrics, per-layer layout and clip by held-back attention error",
+        "candidates": {"layouts": list(layouts), "centering": list(centering), "fit_clip": fit_clip,
+                       "clip_grid": [float(r) for r in clip_grid] if fit_clip else None},
+        "attention_error": {"key": [c.key_error for c in choices], "value": [c.value_error for c in choices]},
+    }
+
+
 def calibrate(model, tokenizer, texts: Sequence[str], num_tokens: int = 30000, window: int = 2048, *,
               fit_clip: bool = True, layouts: Sequence[str] = LAYOUTS, centering: Sequence[bool] = (False, True),
               clip_grid: Sequence[float] = DEFAULT_CLIP_GRID, fit_windows: int = 1, fit_queries: int = 256,
@@ -566,26 +625,16 @@ def calibrate(model, tokenizer, texts: Sequence[str], num_tokens: int = 30000, w
                          sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
                          scale_dtype=scale_dtype, progress=progress)
     seconds = time.perf_counter() - start
-    config = model.config
-    info = {
-        "base_model": model_id or getattr(config, "name_or_path", None) or None,
-        "base_model_revision": model_revision or getattr(config, "_commit_hash", None),
-        "num_layers": data.num_layers, "num_key_value_heads": data.kv_heads, "head_dim": data.head_dim,
-        "data": data_description or f"{len(texts) if not isinstance(texts, str) else 1} text(s)",
-        "num_tokens": data.info["num_tokens"], "statistics_tokens": data.info["statistics_tokens"],
-        "held_out_tokens": data.info["held_out_tokens"], "window": window, "token_sha256": data.info["token_sha256"],
-        "method": "two-pass streaming qqt/sst metrics, per-layer layout and clip by held-back attention error",
-        "candidates": {"layouts": list(layouts), "centering": list(centering), "fit_clip": fit_clip,
-                       "clip_grid": [float(r) for r in clip_grid] if fit_clip else None},
-        "attention_error": {"key": [c.key_error for c in choices], "value": [c.value_error for c in choices]},
-    }
-    cache = build_cache(data, choices, config, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+    info = calibration_info(data, choices, model.config, data_description or
+                            f"{len(texts) if not isinstance(texts, str) else 1} text(s)", model_id, model_revision,
+                            layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid)
+    cache = build_cache(data, choices, model.config, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                         group_size=group_size, scale_dtype=scale_dtype, info=info)
     device = next(model.parameters()).device
     cache.calibration_report = {
         "seconds": seconds, "seconds_capture": data.info["seconds_capture"],
         "seconds_fit": time.perf_counter() - fit_start, "peak_memory_bytes": _peak_memory_bytes(device),
-        "choices": choices,
+        "choices": choices, "data": data,
     }
     if verbose and is_main_process():
         print(calibration_summary(cache))

@@ -274,3 +274,17 @@ def test_spilled_and_recomputed_value_pass_agree(tokenizer):
         for x, y in zip(a.state_tensors(), b.state_tensors()):
             assert torch.equal(x, y)
     assert runs[0].stats[0].w_sum.gt(0).all()
+
+
+def test_calibration_data_round_trip(tokenizer, tmp_path):
+    data = collect_statistics(tiny_llama(), tokenizer, [TEXT], num_tokens=700, progress=False, **SETTINGS)
+    data.save(tmp_path / "stats.safetensors")
+    back = type(data).load(tmp_path / "stats.safetensors")
+    for a, b in zip(data.stats, back.stats):
+        assert (a.q_count, a.kv_count) == (b.q_count, b.kv_count)
+        assert all(torch.equal(x, y) for x, y in zip(a.state_tensors(), b.state_tensors()))
+    for a, b in zip(data.held_out[0], back.held_out[0]):
+        assert a.scaling == b.scaling and torch.equal(a.k, b.k) and torch.equal(a.q, b.q)
+    choices = [fit_layer(s, LayerErrorProbe([h], 8, 32, torch.float16), 16) for s, h in
+               zip(back.stats, back.held_out[0])]
+    assert all(math.isfinite(c.key_error) for c in choices)
