@@ -33,16 +33,10 @@ def _dequant_subtile(bytes_tile, sub: tl.constexpr, scale_ptr, lo_ptr, sst, norm
     ch = 4 * j + sub
     if CHANNEL:  # one scale per channel per GROUP tokens: [T // GROUP, D]
         off = (tok // GROUP)[:, None] * sst + ch[None, :]
-        x = code * tl.load(scale_ptr + off, mask=ok, other=0.0).to(tl.float32) + \
-            tl.load(lo_ptr + off, mask=ok, other=0.0).to(tl.float32)
-    elif GROUP >= D:  # one group per token: [T, 1]
-        sc = tl.load(scale_ptr + tok * sst, mask=tok_ok, other=0.0).to(tl.float32)
-        lo = tl.load(lo_ptr + tok * sst, mask=tok_ok, other=0.0).to(tl.float32)
-        x = code * sc[:, None] + lo[:, None]
-    else:  # D // GROUP groups per token: [T, D // GROUP]
+    else:  # D // GROUP groups per token: [T, D // GROUP] (one group per token takes the factored path instead)
         off = tok[:, None] * sst + (ch // GROUP)[None, :]
-        x = code * tl.load(scale_ptr + off, mask=ok, other=0.0).to(tl.float32) + \
-            tl.load(lo_ptr + off, mask=ok, other=0.0).to(tl.float32)
+    x = code * tl.load(scale_ptr + off, mask=ok, other=0.0).to(tl.float32) + \
+        tl.load(lo_ptr + off, mask=ok, other=0.0).to(tl.float32)
     if HAS_NORM:
         x = x * tl.load(norm_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)[:, None]
     return tl.where(ok, x, 0.0)
@@ -55,6 +49,59 @@ def _mm(a, b, DOT_DTYPE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), out_dtype=tl.float32)
+
+
+@triton.jit
+def _codes(bytes_tile, sub: tl.constexpr):
+    """Channels 4j+sub of a byte tile as float codes 0..3 (exact in any float dtype)."""
+    return ((bytes_tile >> (2 * sub)) & 3).to(tl.float32)
+
+
+@triton.jit
+def _key_scores(q0, q1, q2, q3, q_sum, kb, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                CHANNEL: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    """q . k for a tile of tokens: [BLOCK_M, BLOCK_N]."""
+    if not CHANNEL and GROUP >= D:
+        # One (scale, lo) per token: q.k = scale * (q . code) + lo * sum(q); the codes enter the product as they are.
+        qk = _mm(q0, tl.trans(_codes(kb, 0)), DOT_DTYPE) + _mm(q1, tl.trans(_codes(kb, 1)), DOT_DTYPE)
+        qk += _mm(q2, tl.trans(_codes(kb, 2)), DOT_DTYPE) + _mm(q3, tl.trans(_codes(kb, 3)), DOT_DTYPE)
+        sc = tl.load(ks_ptr + tok * kst, mask=tok_ok, other=0.0).to(tl.float32)
+        lo = tl.load(kl_ptr + tok * kst, mask=tok_ok, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            nrm = tl.load(kn_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            sc *= nrm
+            lo *= nrm
+        return qk * sc[None, :] + q_sum[:, None] * lo[None, :]
+    else:
+        qk = _mm(q0, tl.trans(_dequant_subtile(kb, 0, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                               CHANNEL, GROUP, D, HAS_NORM)), DOT_DTYPE)
+        qk += _mm(q1, tl.trans(_dequant_subtile(kb, 1, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                CHANNEL, GROUP, D, HAS_NORM)), DOT_DTYPE)
+        qk += _mm(q2, tl.trans(_dequant_subtile(kb, 2, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                CHANNEL, GROUP, D, HAS_NORM)), DOT_DTYPE)
+        qk += _mm(q3, tl.trans(_dequant_subtile(kb, 3, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                                                CHANNEL, GROUP, D, HAS_NORM)), DOT_DTYPE)
+        return qk
+
+
+@triton.jit
+def _value_sums(p, vb, sub: tl.constexpr, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok,
+                CHANNEL: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                DOT_DTYPE: tl.constexpr):
+    """p @ v for channels 4j+sub: [BLOCK_M, BLOCK_D4]."""
+    if not CHANNEL and GROUP >= D:
+        # One (scale, lo) per token: p @ v = (p * scale) @ code + sum_t p * lo.
+        sc = tl.load(vs_ptr + tok * vst, mask=tok_ok, other=0.0).to(tl.float32)
+        lo = tl.load(vl_ptr + tok * vst, mask=tok_ok, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            nrm = tl.load(vn_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
+            sc *= nrm
+            lo *= nrm
+        return _mm(p * sc[None, :], _codes(vb, sub), DOT_DTYPE) + tl.sum(p * lo[None, :], axis=1)[:, None]
+    else:
+        return _mm(p, _dequant_subtile(vb, sub, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok, CHANNEL, GROUP, D,
+                                       HAS_NORM), DOT_DTYPE)
 
 
 @triton.jit
@@ -89,6 +136,8 @@ def _body_attention_kernel(
     q1 = tl.load(q_rows[:, None] + (4 * j + 1)[None, :], mask=q_ok, other=0.0)
     q2 = tl.load(q_rows[:, None] + (4 * j + 2)[None, :], mask=q_ok, other=0.0)
     q3 = tl.load(q_rows[:, None] + (4 * j + 3)[None, :], mask=q_ok, other=0.0)
+    q_sum = tl.sum(q0, axis=1) + tl.sum(q1, axis=1) + tl.sum(q2, axis=1) + tl.sum(q3, axis=1)
+    q0, q1, q2, q3 = q0.to(DOT_DTYPE), q1.to(DOT_DTYPE), q2.to(DOT_DTYPE), q3.to(DOT_DTYPE)
     if HAS_QMU:
         qmu = tl.load(qmu_ptr + (b * Hkv * n_rep + hq) * Lq + pos, mask=row_ok, other=0.0)
 
@@ -112,14 +161,8 @@ def _body_attention_kernel(
         tok_ok = tok < t_end
         ok = tok_ok[:, None] & j_ok[None, :]
         kb = tl.load(kc_ptr + tok[:, None] * kct + j[None, :], mask=ok, other=0)
-        qk = _mm(q0, tl.trans(_dequant_subtile(kb, 0, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                  K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
-        qk += _mm(q1, tl.trans(_dequant_subtile(kb, 1, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                   K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
-        qk += _mm(q2, tl.trans(_dequant_subtile(kb, 2, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                   K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
-        qk += _mm(q3, tl.trans(_dequant_subtile(kb, 3, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
-                                                   K_CHANNEL, K_GROUP, D, K_NORM)), DOT_DTYPE)
+        qk = _key_scores(q0, q1, q2, q3, q_sum, kb, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
+                         K_CHANNEL, K_GROUP, D, K_NORM, DOT_DTYPE)
         if HAS_QMU:
             qk += qmu[:, None]
         s = qk * scaling
@@ -140,18 +183,14 @@ def _body_attention_kernel(
         m_i = m_new
 
         vb = tl.load(vc_ptr + tok[:, None] * vct + j[None, :], mask=ok, other=0)
-        acc0 = acc0 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 0, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
-                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              DOT_DTYPE)
-        acc1 = acc1 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 1, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
-                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              DOT_DTYPE)
-        acc2 = acc2 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 2, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
-                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              DOT_DTYPE)
-        acc3 = acc3 * alpha[:, None] + _mm(p, _dequant_subtile(vb, 3, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j,
-                                                                   j_ok, V_CHANNEL, V_GROUP, D, V_NORM),
-                                              DOT_DTYPE)
+        acc0 = acc0 * alpha[:, None] + _value_sums(p, vb, 0, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok,
+                                                   V_CHANNEL, V_GROUP, D, V_NORM, DOT_DTYPE)
+        acc1 = acc1 * alpha[:, None] + _value_sums(p, vb, 1, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok,
+                                                   V_CHANNEL, V_GROUP, D, V_NORM, DOT_DTYPE)
+        acc2 = acc2 * alpha[:, None] + _value_sums(p, vb, 2, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok,
+                                                   V_CHANNEL, V_GROUP, D, V_NORM, DOT_DTYPE)
+        acc3 = acc3 * alpha[:, None] + _value_sums(p, vb, 3, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok,
+                                                   V_CHANNEL, V_GROUP, D, V_NORM, DOT_DTYPE)
 
     has = l_i > 0.0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -167,22 +206,26 @@ def _body_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, num_splits,
-                         D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One query row: combine its splits' (out, lse) by log-sum-exp, CHUNK_S splits at a time."""
     row = tl.program_id(0)
     sp = tl.arange(0, BLOCK_S)
-    sp_ok = sp < num_splits
-    cols = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + row * num_splits + sp, mask=sp_ok, other=float("-inf"))
+    lse = tl.load(lse_ptr + row * num_splits + sp, mask=sp < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_ref)
-    total = tl.sum(w, axis=0)
-    parts = tl.load(out_ptr + (row * num_splits + sp)[:, None] * D + cols[None, :],
-                    mask=sp_ok[:, None] & (cols < D)[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(merged_ptr + row * D + cols, out, mask=cols < D)
-    tl.store(merged_lse_ptr + row, tl.where(total > 0.0, m_ref + tl.log(tl.where(total > 0.0, total, 1.0)),
-                                            float("-inf")))
+    total = tl.sum(tl.exp(lse - m_ref), axis=0)
+    cols = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        sc_ok = sc < num_splits
+        w = tl.exp(tl.load(lse_ptr + row * num_splits + sc, mask=sc_ok, other=float("-inf")) - m_ref)
+        parts = tl.load(out_ptr + (row * num_splits + sc)[:, None] * D + cols[None, :],
+                        mask=sc_ok[:, None] & (cols < D)[None, :], other=0.0)
+        acc += tl.sum(parts * w[:, None], axis=0)
+    has = total > 0.0
+    tl.store(merged_ptr + row * D + cols, acc / tl.where(has, total, 1.0), mask=cols < D)
+    tl.store(merged_lse_ptr + row, tl.where(has, m_ref + tl.log(tl.where(has, total, 1.0)), float("-inf")))
 
 
 def _stream_tensors(stream, n_tokens: int):
@@ -266,7 +309,7 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     )
     if num_splits > 1:
         _merge_splits_kernel[(b * hq * lq,)](part, part_lse, out, lse, num_splits, D=d,
-                                             BLOCK_S=triton.next_power_of_2(num_splits),
+                                             BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=8,
                                              BLOCK_D=triton.next_power_of_2(d))
     return out, lse
 
