@@ -24,25 +24,26 @@ DRY_RUN = "--dry-run" in sys.argv
 if DRY_RUN:  # Triton reads this when first imported (torch may import it): set it before torch
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import argparse  # noqa: E402
-import glob  # noqa: E402
-import importlib  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import glob
+import importlib
+import importlib.util
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # H200
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+             "rope_theta": 500000.0}
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 4096}
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -59,7 +60,7 @@ def ensure_packages(wheels: str | None) -> str:
             importlib.invalidate_caches()
             print(f"installed {len(files)} wheels from {wheels} into {target}")
     if importlib.util.find_spec("hf_kvint2") is not None:
-        import hf_kvint2.kernels  # noqa: F401
+        import hf_kvint2.kernels
 
         return "installed"
     # Source tree: kernels/ is the subpackage hf_kvint2.kernels (pyproject's package-dir); register it first.
@@ -213,7 +214,6 @@ def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
            "int2_body_bytes": nbytes, "triton_body_ms": t_body, "triton_layer_ms": t_layer,
            "triton_body_GBps": nbytes / t_body / 1e6, "triton_body_hbm_fraction": nbytes / (t_body * 1e-3)
            / HBM_BYTES_PER_S}
-    del layer, kb, vb
     k = torch.randn(batch, hkv, ctx, d, device=device, dtype=dtype)
     v = torch.randn(batch, hkv, ctx, d, device=device, dtype=dtype)
     run, backend = sdpa_runner(q, k, v, scale, device)
@@ -230,8 +230,9 @@ def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
 
 def tune(shapes, device, ctx, sink, recent) -> dict:
     """Time the decode kernel over launch settings at one shape; leave the fastest in TUNING."""
-    from hf_kvint2 import kernels
     from hf_kvint2.kernels import decode_attention
+
+    from hf_kvint2 import kernels
 
     hq, hkv, d = shapes["hq"], shapes["hkv"], shapes["d"]
     layer = fill_layer(make_layer("oscar", sink, recent, head_dim=d, kv_heads=hkv), 1, ctx, hkv, d,
@@ -245,7 +246,7 @@ def tune(shapes, device, ctx, sink, recent) -> dict:
                 try:
                     ms = timer(lambda: kernels.body_attention(q_rot, layer.key_body, layer.value_body, scaling=0.1,
                                                               dot_dtype=torch.bfloat16), device)
-                except Exception as e:  # a setting the compiler rejects (e.g. out of shared memory)
+                except Exception as e:  # noqa: BLE001 - a setting the compiler rejects (e.g. out of shared memory)
                     ms = None
                     print(f"  tuning block_n={block_n} warps={num_warps}: {type(e).__name__}: {e}"[:200])
                 results.append({"block_n": block_n, "num_warps": num_warps, "programs_per_sm": per_sm, "ms": ms})
@@ -299,7 +300,7 @@ def bench_e2e(contexts, new_tokens, device, dry: bool) -> dict:
                        "decode_ms_per_token": 1e3 * decode_s / new_tokens, "tokens_per_s": new_tokens / decode_s}
                 if hasattr(cache, "memory_report"):
                     row["cache_bits_per_element"] = cache.memory_report()["total"]["bits_per_element"]
-            except Exception as e:  # record, keep the other runs (e.g. out of memory at one context)
+            except Exception as e:  # noqa: BLE001 - record, keep the other runs (e.g. out of memory at one context)
                 row = {"cache": name, "context": ctx, "error": f"{type(e).__name__}: {e}"[:500]}
             out["runs"].append(row)
             print(f"  e2e {row}")
@@ -367,20 +368,19 @@ def main(argv=None) -> dict:
 
     if dry:
         device = torch.device("cpu")
-        shapes = dict(hq=4, hkv=2, d=64)
+        shapes = {"hq": 4, "hkv": 2, "d": 64}
         batches, contexts = ints(args.batches, [1, 2]), ints(args.contexts, [96, 160])
         e2e_contexts, new_tokens, sink, recent = ints(args.e2e_contexts, [48, 80]), args.new_tokens or 3, 4, 16
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_gpu.py needs a CUDA GPU (use --dry-run to check the script on a CPU).")
         device = torch.device("cuda")
-        shapes = dict(hq=32, hkv=8, d=128)
+        shapes = {"hq": 32, "hkv": 8, "d": 128}
         batches = ints(args.batches, [1, 16])
         contexts = ints(args.contexts, [8192, 16384, 32768, 65536, 131072])
         e2e_contexts, new_tokens, sink, recent = ints(args.e2e_contexts, [32768, 65536]), args.new_tokens or 32, 64, 256
-    import triton
     import transformers
-
+    import triton
     from tqdm.auto import tqdm
 
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -418,7 +418,7 @@ def main(argv=None) -> dict:
             break
         try:
             rows.append(bench_layer(kind, b, c, shapes, device, sink, recent))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             rows.append({"layout": kind, "batch": b, "context": c, "error": f"{type(e).__name__}: {e}"[:500]})
         r = rows[-1]
         if "error" in r:
@@ -434,7 +434,7 @@ def main(argv=None) -> dict:
         print("[4/4] end-to-end decode")
         try:
             result["end_to_end"] = bench_e2e(e2e_contexts, new_tokens, device, dry)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             result["end_to_end"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  end to end failed: {result['end_to_end']['error']}")
 

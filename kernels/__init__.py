@@ -46,16 +46,16 @@ def __getattr__(name):
 
 
 __all__ = [
-    "triton_available",
-    "kernels_enabled_for",
-    "quantize_tokens",
-    "quantize_stream",
     "body_attention",
+    "kernels_enabled_for",
     "layer_decode_attention",
     "merge_partials",
+    "quantize_stream",
+    "quantize_tokens",
     "reference_body_attention",
     "reference_layer_attention",
     "reference_quantize_tokens",
+    "triton_available",
 ]
 
 

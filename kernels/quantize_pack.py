@@ -203,7 +203,7 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
     block_d = max(16, triton.next_power_of_2(d))
     clip_on = clip is not None and clip < 1.0
     pos = clip * (d - 1) if clip_on else 0.0
-    i0 = int(math.floor(pos))
+    i0 = math.floor(pos)
     if axis == "channel":
         block_t, tiles = max(16, triton.next_power_of_2(group_size)), n // group_size
     else:

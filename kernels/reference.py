@@ -96,5 +96,12 @@ def reference_layer_attention(query, layer, *, scaling, attention_mask=None):
     return out.reshape(b, hq, lq, d).to(query.dtype)
 
 
-__all__ = ["QuantizedGroups", "reference_quantize_tokens", "reference_body_attention", "merge_partials",
-           "reference_layer_attention", "mask_to_additive", "layer_mask"]
+__all__ = [
+    "QuantizedGroups",
+    "layer_mask",
+    "mask_to_additive",
+    "merge_partials",
+    "reference_body_attention",
+    "reference_layer_attention",
+    "reference_quantize_tokens",
+]
