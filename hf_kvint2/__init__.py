@@ -1,9 +1,12 @@
 """hf_kvint2: 2-bit KV-cache quantization (OSCAR and OScaR) for Hugging Face Transformers."""
 
+from .attention import ATTN_IMPLEMENTATION, register as _register_attention
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
 from .quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
+
+_register_attention()  # makes attn_implementation="oscar" available to transformers
 
 __version__ = "0.1.0"
 
@@ -12,6 +15,7 @@ __all__ = [
     "OscarScaledCache",
     "OscarCacheBase",
     "OscarLayer",
+    "ATTN_IMPLEMENTATION",
     "GroupLayout",
     "LayerRecipe",
     "oscar_recipe",

@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import kernels
 from .distributed import TensorParallelShard
+from .attention import LayerStep
 from .quant import QuantizedGroups, dequantize_int2, quantize_int2
 from .recipes import GroupLayout, LayerRecipe
 from .storage import TokenBuffer
@@ -103,6 +104,7 @@ class OscarLayer(CacheLayerMixin):
         super().__init__()
         self.recipe = recipe
         self.layer_idx = layer_idx
+        self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.attention)
         self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
         self._clear()
 
@@ -200,7 +202,10 @@ class OscarLayer(CacheLayerMixin):
             self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sink:]], dim=-2)
         self._demote()
         self.seq_len += n_new
-        return self._full_precision_view(key_states, value_states)
+        step = LayerStep(self, key_states, value_states)
+        # Once the "oscar" attention reads this layer, return zero-storage placeholders it reads the codes through
+        # (other attention implementations still get the full view from them); else the full view itself.
+        return step.deferred_output() if self.fused_attention else step.portable_output()
 
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
@@ -222,14 +227,7 @@ class OscarLayer(CacheLayerMixin):
 
     def _full_precision_view(self, key_states, value_states):
         """Portable path: every stored token (body dequantized), with the current chunk at full precision."""
-        bk, bv = self.dequantized_body()
-        keys = torch.cat([self.sink_k, bk, self.recent_k], dim=-2)
-        values = torch.cat([self.sink_v, bv, self.recent_v], dim=-2)
-        n_new = key_states.shape[-2]
-        if n_new > self.recent_k.shape[-2] and self.body_len:  # part of the chunk was quantized already
-            keys = torch.cat([keys[:, :, :-n_new], key_states], dim=-2)
-            values = torch.cat([values[:, :, :-n_new], value_states], dim=-2)
-        return keys, values
+        return LayerStep(self, key_states, value_states).materialize()
 
     # ------------------------------------------------------------------ transformers contract
     def get_seq_length(self) -> int:
