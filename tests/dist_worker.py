@@ -7,6 +7,7 @@ CPU), where every rank loads the same tiny checkpoints with ``tp_plan="auto"`` a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -24,12 +25,12 @@ VOCAB = 256
 
 
 def tiny_configs() -> dict:
-    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    common = {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
     return {
         "llama": LlamaConfig(**common, head_dim=32),
         "qwen2": Qwen2Config(**common),  # QKV bias: keys carry per-head offsets (exercises the centering means)
-        "llama_kv3": LlamaConfig(**dict(common, hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+        "llama_kv3": LlamaConfig(**{**common, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
                                  head_dim=16),
     }
 
@@ -49,8 +50,8 @@ def save_tiny_models(root: str) -> dict[str, str]:
     return dirs
 
 
-def load(model_dir: str, tensor_parallel: bool):
-    kwargs = {}
+def load(model_dir: str, tensor_parallel: bool, attn: str = "sdpa"):
+    kwargs = {"attn_implementation": attn}
     if tensor_parallel:
         try:
             from transformers.distributed import DistributedConfig
@@ -68,7 +69,7 @@ def calibration_like(config, seed: int = 1):
     h, n = text.num_key_value_heads, text.num_hidden_layers
     rot = [torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0].float() for _ in range(2 * n)]
     means = [torch.randn(h, d, generator=g) * 2 for _ in range(2 * n)]
-    return dict(k_rotations=rot[:n], v_rotations=rot[n:], key_means=means[:n], value_means=means[n:])
+    return {"k_rotations": rot[:n], "v_rotations": rot[n:], "key_means": means[:n], "value_means": means[n:]}
 
 
 def make_cache(kind: str, quantize: bool, config):
@@ -89,14 +90,14 @@ def token_ids(seed: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_forced(model, cache) -> torch.Tensor:
+def teacher_forced(model, cache, prompt_tokens: int = PROMPT_TOKENS) -> torch.Tensor:
     """Logits [prompt + steps, vocab]: the prompt in chunks, then one token per step."""
-    ids = token_ids()
-    bounds = list(range(0, PROMPT_TOKENS, CHUNK)) + list(range(PROMPT_TOKENS, PROMPT_TOKENS + STEPS + 1))
+    ids = token_ids()[:, :prompt_tokens + STEPS]
+    bounds = list(range(0, prompt_tokens, CHUNK)) + list(range(prompt_tokens, prompt_tokens + STEPS + 1))
     if bounds[-1] != ids.shape[1]:
         bounds.append(ids.shape[1])
     logits = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         out = model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True)
         logits.append(out.logits[0].float())
     return torch.cat(logits)
@@ -111,7 +112,8 @@ def run_scenarios(model_dirs: dict[str, str], tensor_parallel: bool) -> tuple[di
             for quantize in (False, True):
                 tag = f"{model_name}.{kind}.{'quant' if quantize else 'exact'}"
                 cache = make_cache(kind, quantize, model.config)
-                tensors[f"{tag}.logits"] = teacher_forced(model, cache)
+                # without quantization every token is exact: a short prompt shows it as well
+                tensors[f"{tag}.logits"] = teacher_forced(model, cache, PROMPT_TOKENS if quantize else CHUNK)
                 for idx, layer in enumerate(cache.layers):
                     body_k, body_v = layer.dequantized_body()
                     tensors[f"{tag}.body_k.{idx}"], tensors[f"{tag}.body_v.{idx}"] = body_k.float(), body_v.float()
@@ -120,11 +122,16 @@ def run_scenarios(model_dirs: dict[str, str], tensor_parallel: bool) -> tuple[di
                     info[f"{tag}.report_global"] = cache.memory_report(global_view=True)
                     info[f"{tag}.bits_global"] = cache.bits_per_element(global_view=True)
                 info[f"{tag}.bits"] = cache.bits_per_element()
-                prompt = token_ids(seed=1)[:, :160]  # longer than the quantizing caches' windows
-                out = model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                                     past_key_values=make_cache(kind, quantize, model.config))
-                tensors[f"{tag}.generate"] = out[0]
+                if quantize:
+                    prompt = token_ids(seed=1)[:, :160]  # longer than the caches' full-precision windows
+                    out = model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                                         past_key_values=make_cache(kind, quantize, model.config))
+                    tensors[f"{tag}.generate"] = out[0]
         del model
+    # the fused "oscar" attention reads each rank's INT2 codes directly
+    model = load(model_dirs["llama"], tensor_parallel, attn="oscar")
+    for kind in ("oscar", "scaled"):
+        tensors[f"llama.{kind}.quant_fused.logits"] = teacher_forced(model, make_cache(kind, True, model.config))
     return tensors, info
 
 
@@ -160,9 +167,8 @@ def error_scenarios(model_dirs: dict[str, str]) -> dict[str, str]:
         return "no error"
 
     errors = {}
-    kv3 = load(model_dirs["kv3"], tensor_parallel=True)  # transformers loads it; its forward would fail
-    errors["kv_heads_not_divisible"] = message(lambda: OscarScaledCache(kv3.config))
-    del kv3
+    kv3_config = load(model_dirs["kv3"], tensor_parallel=True).config  # transformers loads it; a forward fails
+    errors["kv_heads_not_divisible"] = message(lambda: OscarScaledCache(kv3_config))
     model = load(model_dirs["llama"], tensor_parallel=True)
     three_heads = [torch.zeros(3, 32)] * model.config.num_hidden_layers
     errors["calibration_heads_not_divisible"] = message(lambda: OscarCache(model.config, key_means=three_heads))
