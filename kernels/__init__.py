@@ -18,10 +18,14 @@ Two kernels, both optional (``pip install hf-kvint2[triton]``) and used for CUDA
   layer's dequantized cache (see :func:`reference_layer_attention`).
 
 Scores follow SDPA: ``s = scaling * q.k + mask`` (bool mask: True attends; float mask: added). For the body,
-``q.k = (q R_K).k_rot + q.mu_K`` with ``k_rot = (code * scale + lo) * norm`` in fp32.
+``q.k = (q R_K).k_rot + q.mu_K`` with ``k_rot = (code * scale + lo) * norm`` in fp32. The in-kernel products use
+IEEE fp32 for fp32 models and the model's 16-bit dtype (fp32 accumulation, tensor cores) otherwise: pass
+``dot_dtype=query.dtype`` to :func:`body_attention`.
 
-Triton picks interpreter or compiler when a kernel module is *imported*; this package imports the kernel modules
-lazily, so ``TRITON_INTERPRET=1`` set before the first kernel call runs them on CPU tensors (the tests do that).
+CPU testing: Triton decides between interpreter and compiler when it is first imported (``torch._dynamo`` imports
+it as soon as transformers loads), so ``TRITON_INTERPRET=1`` must be in the environment before that; then the
+kernels run on CPU tensors (tests/conftest.py sets it when no GPU is present). GPU numbers:
+``python benchmarks/bench_gpu.py`` (``--dry-run`` checks it on a CPU).
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ def _mm(a, b, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _codes(bytes_tile, sub: tl.constexpr):
-    """Channels 4j+sub of a byte tile as float codes 0..3 (exact in any float dtype)."""
-    return ((bytes_tile >> (2 * sub)) & 3).to(tl.float32)
+def _codes(bytes_tile, sub: tl.constexpr, DTYPE: tl.constexpr):
+    """Channels 4j+sub of a byte tile as codes 0..3 in the dot operand dtype (exact in any float dtype)."""
+    return ((bytes_tile >> (2 * sub)) & 3).to(DTYPE)
 
 
 @triton.jit
@@ -64,8 +64,10 @@ def _key_scores(q0, q1, q2, q3, q_sum, kb, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok
     """q . k for a tile of tokens: [BLOCK_M, BLOCK_N]."""
     if not CHANNEL and GROUP >= D:
         # One (scale, lo) per token: q.k = scale * (q . code) + lo * sum(q); the codes enter the product as they are.
-        qk = _mm(q0, tl.trans(_codes(kb, 0)), DOT_DTYPE) + _mm(q1, tl.trans(_codes(kb, 1)), DOT_DTYPE)
-        qk += _mm(q2, tl.trans(_codes(kb, 2)), DOT_DTYPE) + _mm(q3, tl.trans(_codes(kb, 3)), DOT_DTYPE)
+        qk = _mm(q0, tl.trans(_codes(kb, 0, DOT_DTYPE)), DOT_DTYPE)
+        qk += _mm(q1, tl.trans(_codes(kb, 1, DOT_DTYPE)), DOT_DTYPE)
+        qk += _mm(q2, tl.trans(_codes(kb, 2, DOT_DTYPE)), DOT_DTYPE)
+        qk += _mm(q3, tl.trans(_codes(kb, 3, DOT_DTYPE)), DOT_DTYPE)
         sc = tl.load(ks_ptr + tok * kst, mask=tok_ok, other=0.0).to(tl.float32)
         lo = tl.load(kl_ptr + tok * kst, mask=tok_ok, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -98,7 +100,7 @@ def _value_sums(p, vb, sub: tl.constexpr, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_
             nrm = tl.load(vn_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
             sc *= nrm
             lo *= nrm
-        return _mm(p * sc[None, :], _codes(vb, sub), DOT_DTYPE) + tl.sum(p * lo[None, :], axis=1)[:, None]
+        return _mm(p * sc[None, :], _codes(vb, sub, DOT_DTYPE), DOT_DTYPE) + tl.sum(p * lo[None, :], axis=1)[:, None]
     else:
         return _mm(p, _dequant_subtile(vb, sub, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok, CHANNEL, GROUP, D,
                                        HAS_NORM), DOT_DTYPE)
