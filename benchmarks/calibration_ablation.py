@@ -90,6 +90,8 @@ def main():
     seconds_stats = time.perf_counter() - start
     caches, choices_json = {}, {}
     for name, cand in VARIANTS.items():
+        if args.artifact and name == "calibrated (per-layer choice)":
+            continue  # evaluated from the artifact itself (the same fit, written by calibrate_oscar.py)
         choices = fit_layers(data, **cand, **settings)
         caches[name] = (data, choices)
         choices_json[name] = [{"key": c.key.name, "key_clip": c.key.layout.clip, "key_error": c.key_error,
@@ -101,15 +103,11 @@ def main():
         return lambda cfg: build_cache(data_, choices_, cfg, **settings)
 
     calibrated_name = "calibrated (per-layer choice)"
-    if args.artifact:  # the shipped artifact must be exactly what the fit gives; then evaluate the artifact itself
-        loaded, refit = OscarCache.from_pretrained(args.artifact), factory(calibrated_name)(model.config)
-        for name in ("k_rotations", "v_rotations", "key_means", "value_means"):
-            for a, b in zip(getattr(loaded, name), getattr(refit, name)):
-                assert (a is None and b is None) or torch.equal(a, b.float()), f"artifact differs from re-fit: {name}"
-        assert loaded.layer_layouts == refit.layer_layouts, "artifact layouts differ from the re-fit"
-        caches_artifact = args.artifact
-    else:
-        caches_artifact = None
+    caches_artifact = args.artifact
+    if caches_artifact:
+        loaded = OscarCache.from_pretrained(caches_artifact)
+        choices_json[calibrated_name] = [{"layout": name, "key_clip": k.clip, "value_clip": v.clip} for name, (k, v)
+                                         in zip(loaded.layout_names, loaded.layer_layouts)]
 
     from transformers import DynamicCache
 
@@ -117,16 +115,18 @@ def main():
     methods = [CacheMethod("fp", "full precision", lambda cfg: DynamicCache(config=cfg)),
                CacheMethod("naive", "naive INT2 (per-token, no rotation, no clip)",
                            lambda cfg: engine_cache(naive_int2_recipe(d), cfg))]
-    methods += [CacheMethod(f"v{i}", name, factory(name)) for i, name in enumerate(VARIANTS)]
+    methods += [CacheMethod(f"v{i}", name, factory(name)) for i, name in enumerate(VARIANTS)
+                if name in caches]
     if caches_artifact:
-        methods[2] = CacheMethod("v0", calibrated_name,
-                                 lambda cfg: OscarCache.from_pretrained(caches_artifact, config=cfg))
+        methods.insert(2, CacheMethod("v0", calibrated_name,
+                                      lambda cfg: OscarCache.from_pretrained(caches_artifact, config=cfg)))
     windows = eval_windows(encode(tokenizer, load_text(EVAL_TEXT)), args.windows, args.window)
     start = time.perf_counter()
     results = chunked_perplexity(model, windows, methods, prefill=args.prefill, chunk=args.chunk)
     seconds_eval = time.perf_counter() - start
 
     rows = {}
+    results = {m.name: results.get(m.key, results.get(m.name)) for m in methods}  # keyed by CacheMethod.key
     fp = results["full precision"].perplexity
     for m in methods:
         r = results[m.name]
