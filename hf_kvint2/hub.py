@@ -569,7 +569,7 @@ def quality_markdown(rows: list[dict] | None) -> str | None:
 def write_artifact(cache, save_directory, *, base_model=None, base_model_revision=None, quality=None,
                    repo_id=None, subfolder=None) -> Path:
     """Implementation of ``save_pretrained`` (see :class:`CacheHubMixin`)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     config, tensors = artifact_payload(cache, base_model=base_model, base_model_revision=base_model_revision,
                                        quality=quality)
@@ -578,7 +578,8 @@ def write_artifact(cache, save_directory, *, base_model=None, base_model_revisio
     (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     if tensors:
         # One metadata key only: safetensors writes several in random order, and artifacts must be reproducible.
-        save_file(dict(sorted(tensors.items())), str(folder / TENSORS_NAME), metadata={"format": config["format"]})
+        # Serialised in memory and written like the other files, so the file mode follows the umask.
+        (folder / TENSORS_NAME).write_bytes(save(dict(sorted(tensors.items())), metadata={"format": config["format"]}))
     elif (folder / TENSORS_NAME).exists():
         (folder / TENSORS_NAME).unlink()  # a stale file from an earlier save would contradict config.json
     (folder / CARD_NAME).write_text(render_card(config, type(cache).__name__, repo_id, subfolder), encoding="utf-8")

@@ -503,3 +503,41 @@ def test_broken_rotation_zoo_files(tmp_path, edit, message):
     torch.save({"rotations": []}, zoo / "k_rotation_qqt_r_h_pbr.pt")
     with pytest.raises(ArtifactError, match="not a RotationZoo rotation file"):
         OscarCache.from_rotation_zoo(zoo)
+
+
+# ------------------------------------------------------------------------------------------------ shipped artifact
+SMOLLM2_SHAPES = {"num_layers": 30, "num_key_value_heads": 3, "head_dim": 64}
+
+
+def test_shipped_smollm2_artifact_loads_offline(monkeypatch, tmp_path):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    cache = OscarCache.from_pretrained(hub.SMOLLM2_ARTIFACT_ID, cache_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+    info = cache.artifact_info
+    assert {k: info[k] for k in SMOLLM2_SHAPES} == SMOLLM2_SHAPES
+    assert info["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert len(cache.layer_layouts) == 30 and len(cache.layout_names) == 30
+    assert "prideprejudice" in cache.calibration_info["data"].lower().replace(" ", "").replace("_", "")
+    meta = card_metadata(hub.SMOLLM2_ARTIFACT_DIR / "README.md")
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "oscar" in meta["tags"]
+    # against SmolLM2's architecture (no weights needed): the shapes fit
+    smollm2_config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3)
+    smollm2_config.name_or_path = "/home/me/.cache/hf_kvint2/smollm2-135m-instruct"  # a local copy: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OscarCache.from_pretrained(hub.SMOLLM2_ARTIFACT_ID, config=smollm2_config)
+
+
+def test_shipped_artifacts_are_package_data():
+    import fnmatch
+    import re
+
+    root = Path(hub.__file__).parent
+    line = re.search(r'^"hf_kvint2" = (\[.*\])$', (root.parent / "pyproject.toml").read_text(), re.MULTILINE)
+    patterns = json.loads(line.group(1))  # the [tool.setuptools.package-data] entry of the package itself
+    shipped = [p.relative_to(root).as_posix() for p in hub.EMBEDDED_ARTIFACTS_DIR.rglob("*") if p.is_file()]
+    assert shipped and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in shipped), shipped
+    for artifact_id, folder in hub.EMBEDDED_ARTIFACTS.items():
+        assert {p.name for p in folder.iterdir()} >= {"config.json", "README.md"}, artifact_id
