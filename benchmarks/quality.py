@@ -1,0 +1,328 @@
+"""Quality of 2-bit KV caches side by side: chunked decode perplexity, passkey retrieval, greedy agreement.
+
+    python benchmarks/quality.py                      # SmolLM2-135M-Instruct, Emma, 8 windows of 2048, fp32
+    python benchmarks/quality.py --long               # windows of 8192, prefill 1024, chunks of 64
+    python benchmarks/quality.py --quick              # tiny random model, whole pipeline in seconds (CI smoke)
+    python benchmarks/quality.py --methods fp,oscar,oscar_token_scaling --update   # add rows to an existing run
+
+Writes <out>.json (all numbers), <out>.md (the README table) and <out>.png (perplexity vs bits/element).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_kvint2 import OscarCache
+from hf_kvint2.evaluation import (
+    EVAL_TEXT,
+    ByteTokenizer,
+    agreement_prompts,
+    bits_at_length,
+    chunked_perplexity,
+    encode,
+    eval_windows,
+    greedy_agreement,
+    load_text,
+    passkey_accuracy,
+    plain_perplexity,
+    standard_methods,
+)
+
+RESULTS = Path(__file__).parent / "results"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_model(seed: int = 0):
+    """A tiny random Llama (byte vocabulary, head_dim 32) for the smoke run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(config).eval(), ByteTokenizer()
+
+
+def load_model(args):
+    if args.quick:
+        return tiny_model()
+    if args.model == "smollm2":
+        from hf_kvint2.models import load_smollm2
+
+        return load_smollm2(DTYPES[args.dtype], attn_implementation="sdpa")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(args.model)
+
+
+def calibrated_factory(args):
+    """``config -> fresh calibrated OscarCache`` or None (rows left out) when no calibration is available."""
+    source = args.calibration
+    if source is None and args.model == "smollm2" and not args.quick:
+        try:
+            from hf_kvint2 import hub
+
+            if (hub.SMOLLM2_ARTIFACT_DIR / hub.CONFIG_NAME).exists():
+                source = hub.SMOLLM2_ARTIFACT_ID
+        except ImportError:
+            source = None
+    if source is None:
+        print("No calibration artifact found: the calibrated OSCAR rows are left out.", file=sys.stderr)
+        return None
+    if not hasattr(OscarCache, "from_pretrained"):
+        raise RuntimeError("This hf_kvint2 has no OscarCache.from_pretrained; cannot load the calibration.")
+    OscarCache.from_pretrained(source)  # fail early with the loader's own error
+    return lambda cfg: OscarCache.from_pretrained(source, config=cfg)
+
+
+def available_backends() -> tuple[str, ...]:
+    """transformers' QuantizedCache backends that are installed (pip install 'hf-kvint2[bench]')."""
+    from transformers.utils import is_hqq_available, is_optimum_quanto_available
+
+    found = {"hqq": is_hqq_available(), "quanto": is_optimum_quanto_available()}
+    for name, ok in found.items():
+        if not ok:
+            print(f"{name} is not installed: its QuantizedCache row is left out (pip install 'hf-kvint2[bench]').",
+                  file=sys.stderr)
+    return tuple(name for name, ok in found.items() if ok)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a Hugging Face causal LM id/path")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--calibration", help="OscarCache artifact (Hub id or folder); default: the embedded SmolLM2 one")
+    p.add_argument("--methods", help="comma-separated method keys (default: all available)")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--long", action="store_true", help="long-context variant: windows 8192, prefill 1024, chunks 64")
+    p.add_argument("--passkey-lengths", default="1024,2048,4096,8192")
+    p.add_argument("--passkey-depths", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--agreement-prompts", type=int, default=16)
+    p.add_argument("--agreement-tokens", type=int, default=64)
+    p.add_argument("--bits-tokens", type=int, default=131072, help="context length for the reported bits/element")
+    p.add_argument("--skip", default="", help="comma-separated stages to skip: bits,perplexity,plain,agreement,passkey")
+    p.add_argument("--quick", action="store_true", help="tiny random model and small sizes (CI smoke test)")
+    p.add_argument("--out", default=None, help="output path prefix (default benchmarks/results/quality[_long|_quick])")
+    p.add_argument("--update", action="store_true", help="merge into the existing <out>.json (same protocol)")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.long:
+        args.window, args.prefill, args.chunk = 8192, 1024, 64
+    if args.quick:
+        args.windows, args.window, args.prefill, args.chunk = 2, 512, 128, 32
+        args.passkey_lengths, args.passkey_depths = "384,512", "0.2,0.8"
+        args.agreement_prompts, args.agreement_tokens, args.bits_tokens = 2, 8, 4096
+    if args.out is None:
+        args.out = str(RESULTS / ("quality_quick" if args.quick else "quality_long" if args.long else "quality"))
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def _fmt_pct(x):
+    return "—" if x is None else f"{x:+.1f}%"
+
+
+def markdown_table(result: dict) -> str:
+    lengths = result["protocol"]["passkey_lengths"]
+    head = ["Method", "PPL", "Δ vs full precision", f"bits/element ({result['protocol']['dtype']})",
+            "bits/element (16-bit K/V)"] + \
+           [f"passkey {n // 1024}k" if n % 1024 == 0 else f"passkey {n}" for n in lengths] + ["greedy agreement"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        ppl = row.get("perplexity")
+        pk = row.get("passkey", {}).get("per_length", {})
+        ag = row.get("agreement", {}).get("agreement")
+        bits, bits16 = row.get("bits_per_element"), row.get("bits_per_element_16bit")
+        cells = [row["name"], "—" if ppl is None else f"{ppl:.3f}", _fmt_pct(row.get("delta_pct")),
+                 "—" if bits is None else f"{bits:.3f}", "—" if bits16 is None else f"{bits16:.3f}"]
+        cells += ["—" if str(n) not in pk else f"{100 * pk[str(n)]:.0f}%" for n in lengths]
+        cells.append("—" if ag is None else f"{100 * ag:.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    proto = result["protocol"]
+    lines.append("")
+    lines.append(f"{result['model']} ({proto['dtype']}), {proto['text']}: {proto['windows']} windows of "
+                 f"{proto['window']} tokens, prefill {proto['prefill']}, chunks of {proto['chunk']}, "
+                 f"{proto['scored_tokens']} scored tokens per method. bits/element at {proto['bits_tokens']} tokens, "
+                 "from the bytes each cache holds (full-precision windows in the model dtype, or in 16 bits).")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("perplexity") is not None and r.get("bits_per_element")]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fp = next((r for r in rows if r["key"] == "fp"), None)
+    for r in rows:
+        ax.scatter(r["bits_per_element"], r["perplexity"], s=40)
+        ax.annotate(r["name"], (r["bits_per_element"], r["perplexity"]), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    if fp is not None:
+        ax.axhline(fp["perplexity"], color="gray", lw=0.8, ls="--", label="full precision")
+        ax.axhline(fp["perplexity"] * 1.10, color="tab:red", lw=0.6, ls=":", label="+10%")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"bits per K/V element (at {result['protocol']['bits_tokens']} tokens)")
+    ax.set_ylabel("perplexity (chunked decode)")
+    ax.set_title(f"{result['model']} on {result['protocol']['text']}: perplexity vs cache size")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, out: str) -> None:
+    prefix = Path(out)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    fp = next((r for r in result["rows"] if r["key"] == "fp" and r.get("perplexity")), None)
+    for r in result["rows"]:
+        if fp is not None and r.get("perplexity") is not None:
+            r["delta_pct"] = 100 * (r["perplexity"] / fp["perplexity"] - 1)
+    prefix.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    prefix.with_suffix(".md").write_text(markdown_table(result))
+    if any(r.get("perplexity") for r in result["rows"]):
+        plot(result, prefix.with_suffix(".png"))
+    print(f"wrote {prefix.with_suffix('.json')}, {prefix.with_suffix('.md')}, {prefix.with_suffix('.png')}")
+
+
+def merge_previous(result: dict, out: str) -> dict:
+    """Keep the rows of an earlier run with the same protocol that this run did not measure."""
+    path = Path(out).with_suffix(".json")
+    if not path.exists():
+        return result
+    old = json.loads(path.read_text())
+    same = {k: v for k, v in old["protocol"].items() if k != "scored_tokens"} == \
+        {k: v for k, v in result["protocol"].items() if k != "scored_tokens"} and old["model"] == result["model"]
+    if not same:
+        raise ValueError(f"{path} was measured with another protocol or model; use a different --out.")
+    old_rows = {r["key"]: r for r in old["rows"]}
+    new_rows = {r["key"]: r for r in result["rows"]}
+    if "fp" in old_rows and "fp" in new_rows and old_rows["fp"].get("perplexity") and new_rows["fp"].get("perplexity"):
+        rel = abs(old_rows["fp"]["perplexity"] / new_rows["fp"]["perplexity"] - 1)
+        if rel > 1e-6:
+            raise ValueError(f"Full precision differs from the earlier run by {rel:.2e}; the runs are not comparable.")
+    for key, row in new_rows.items():
+        merged = dict(old_rows.get(key, {}))
+        merged.update({k: v for k, v in row.items() if v is not None})
+        old_rows[key] = merged
+    order = [r["key"] for r in result["rows"]] + [k for k in old_rows if k not in new_rows]
+    result["rows"] = [old_rows[k] for k in order]
+    result["runs"] = old.get("runs", []) + result["runs"]
+    result["plain_forward_check"] = result.get("plain_forward_check") or old.get("plain_forward_check")
+    return result
+
+
+def _canonical_order(result: dict, keys: list[str]) -> None:
+    pos = {k: i for i, k in enumerate(keys)}
+    result["rows"].sort(key=lambda r: pos.get(r["key"], len(pos)))
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    skip = {s for s in args.skip.split(",") if s}
+    model, tokenizer = load_model(args)
+    config = model.config
+    all_methods = standard_methods(config, calibrated_factory(args), available_backends())
+    if args.methods:
+        keys = args.methods.split(",")
+        unknown = [k for k in keys if k not in {m.key for m in all_methods}]
+        if unknown:
+            raise SystemExit(f"Unknown or unavailable methods {unknown}; available: {[m.key for m in all_methods]}")
+        methods = [m for m in all_methods if m.key in keys]
+    else:
+        methods = all_methods
+    if "fp" not in {m.key for m in methods}:
+        raise SystemExit("The full-precision method 'fp' is the baseline of every ratio; include it in --methods.")
+    model_name = "tiny random Llama" if args.quick else (
+        "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model)
+    lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
+    depths = [float(x) for x in args.passkey_depths.split(",") if x]
+
+    text_ids = encode(tokenizer, load_text(EVAL_TEXT))
+    windows = eval_windows(text_ids, args.windows, args.window)
+    result = {
+        "model": model_name,
+        "protocol": {"dtype": args.dtype, "text": "Emma (Jane Austen)", "windows": args.windows,
+                     "window": args.window, "prefill": args.prefill, "chunk": args.chunk,
+                     "scored_tokens": args.windows * (args.window - args.prefill), "bits_tokens": args.bits_tokens,
+                     "passkey_lengths": lengths, "passkey_depths": depths, "passkey_haystack": "Sense and Sensibility",
+                     "agreement_prompts": args.agreement_prompts, "agreement_tokens": args.agreement_tokens},
+        "runs": [{"command": "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "torch": torch.__version__,
+                  "platform": platform.platform(), "threads": torch.get_num_threads(),
+                  "methods": [m.key for m in methods]}],
+        "rows": [{"key": m.key, "name": m.name, "description": m.description, "batched": m.batched}
+                 for m in methods],
+        "plain_forward_check": None,
+    }
+    if args.update:
+        result = merge_previous(result, args.out)
+    rows = {r["key"]: r for r in result["rows"]}
+
+    def save():
+        _canonical_order(result, [m.key for m in all_methods])
+        write_outputs(result, args.out)
+
+    if "bits" not in skip:
+        for m in methods:
+            # the model dtype, and 16-bit K/V (the usual deployment: full-precision windows in bf16)
+            rows[m.key]["bits_per_element"] = bits_at_length(m, config, args.bits_tokens, dtype=model.dtype)
+            rows[m.key]["bits_per_element_16bit"] = bits_at_length(m, config, args.bits_tokens, dtype=torch.bfloat16)
+            print(f"{m.name}: {rows[m.key]['bits_per_element']:.3f} bits/element at {args.bits_tokens} tokens "
+                  f"({rows[m.key]['bits_per_element_16bit']:.3f} with 16-bit K/V)")
+        save()
+    if "perplexity" not in skip:
+        t0 = time.time()
+        ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk)
+        for key, r in ppl.items():
+            rows[key].update(r.summary())
+            print(f"{rows[key]['name']}: ppl {r.perplexity:.4f}")
+        result["runs"][-1]["perplexity_seconds"] = time.time() - t0
+        save()
+    if "plain" not in skip and "perplexity" not in skip:
+        plain = plain_perplexity(model, windows, args.prefill)
+        chunked = rows["fp"]["perplexity"]
+        result["plain_forward_check"] = {
+            "plain_perplexity": plain.perplexity, "chunked_full_precision_perplexity": chunked,
+            "relative_difference": abs(chunked / plain.perplexity - 1),
+            "window_relative_differences": [abs(a / b - 1) for a, b in
+                                            zip(rows["fp"]["window_perplexities"], plain.window_perplexities)]}
+        print(f"plain forward ppl {plain.perplexity:.6f} vs chunked {chunked:.6f} "
+              f"(rel diff {result['plain_forward_check']['relative_difference']:.2e})")
+        save()
+    if "agreement" not in skip:
+        prompts = agreement_prompts(text_ids, args.agreement_prompts, args.prefill)
+        for key, r in greedy_agreement(model, prompts, methods, args.agreement_tokens).items():
+            rows[key]["agreement"] = r
+        save()
+    if "passkey" not in skip:
+        for key, r in passkey_accuracy(model, tokenizer, methods, lengths, depths).items():
+            rows[key]["passkey"] = r
+        save()
+    if not math.isfinite(rows["fp"].get("perplexity", 0.0)):
+        raise SystemExit("Full-precision perplexity is not finite: the model or the text is broken.")
+    save()
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""Quality evaluation of KV caches: chunked teacher-forced decode perplexity, passkey retrieval, greedy agreement.
+
+Every protocol compares several cache *methods* side by side in one run. A method is a factory returning a fresh
+``transformers.Cache`` for a model config. To use the CPU well, all methods run in ONE batched forward per step:
+:class:`StackedCache` routes each block of batch rows to its own cache (rows never interact in the model, so each
+cache sees exactly what it would see alone). Caches whose quantization groups span batch rows (transformers'
+``QuantizedCache``) get one cache per row (``CacheMethod.batched=False``).
+
+The prompt/prefill forward is shared: it attends the fresh keys/values at full precision in every cache here
+(our layers attend the current chunk at full precision, ``QuantizedCache`` returns its input on the first update,
+``DynamicCache`` is exact), so one full-precision prefill is run and its per-layer K/V are replayed into each fresh
+cache with ``cache.update`` - the same calls, with the same tensors, the prefill forward would have made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from importlib import resources
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .cache import OscarCache, OscarCacheBase, OscarScaledCache
+from .layers import OscarLayer
+from .recipes import GroupLayout, LayerRecipe, oscar_recipe
+
+EVAL_TEXT = "emma.txt"  # never the calibration text (prideprejudice.txt)
+HAYSTACK_TEXT = "sensesensibility.txt"
+CALIBRATION_TEXT = "prideprejudice.txt"
+
+
+def load_text(name: str) -> str:
+    """A text shipped in ``hf_kvint2/data``."""
+    if name == CALIBRATION_TEXT:
+        raise ValueError(f"{name} is the calibration text; evaluate on {EVAL_TEXT} instead.")
+    return resources.files("hf_kvint2.data").joinpath(name).read_text(encoding="utf-8")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (vocab 256): lets the pipeline run on a tiny random model with no tokenizer files."""
+
+    vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+@dataclass
+class CacheMethod:
+    """A named way of caching K/V. ``make_cache(config)`` returns a fresh cache; ``batched=False`` if its
+    quantization groups would mix batch rows (then every row gets its own cache). ``key`` is a short CLI name."""
+
+    key: str
+    name: str
+    make_cache: Callable[[object], Cache]
+    batched: bool = True
+    description: str = ""
+
+
+def head_dim_of(config) -> int:
+    cfg = config.get_text_config(decoder=True)
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def engine_cache(recipe: LayerRecipe, config) -> OscarCacheBase:
+    """A cache of this library's engine with the same recipe in every layer (used for the baselines)."""
+    return OscarCacheBase(lambda idx: recipe, config)
+
+
+def kivi2_recipe(head_dim: int) -> LayerRecipe:
+    """KIVI-2 on this engine: no rotation, keys per channel over 32-token groups, values per token over 32
+    channels, a 128-token full-precision residual flushed in 32-token blocks, no sink, no clipping."""
+    eye = torch.eye(head_dim)
+    return LayerRecipe(key=GroupLayout("channel", 32), value=GroupLayout("token", 32), sink_tokens=0,
+                       recent_tokens=128, key_rotation=eye, value_rotation=eye)
+
+
+def naive_int2_recipe(head_dim: int) -> LayerRecipe:
+    """Per-token INT2 without rotation or clipping, with OSCAR's windows (sink 64, recent 256)."""
+    eye = torch.eye(head_dim)
+    return oscar_recipe(key_rotation=eye, value_rotation=eye, k_clip=None, v_clip=None)
+
+
+def with_key_token_scaling(cache: OscarCacheBase) -> OscarCacheBase:
+    """The same cache with OScaR's omni-token key scaling added to every layer's key layout (before first use)."""
+    for layer in cache.layers:
+        if isinstance(layer, OscarLayer):
+            if layer.is_initialized:
+                raise ValueError("with_key_token_scaling needs a fresh cache (created with config=, not yet used).")
+            layer.recipe = layer.recipe.with_overrides(key=replace(layer.recipe.key, token_scaling=True))
+    return cache
+
+
+def standard_methods(config, calibrated: Callable[[object], OscarCache] | None = None,
+                     transformers_backends: tuple[str, ...] = ("hqq", "quanto")) -> list[CacheMethod]:
+    """The methods compared in the quality benchmark. ``calibrated(config)`` loads a fresh calibrated OscarCache
+    with eager layers; without it the calibrated rows are left out."""
+    d = head_dim_of(config)
+    methods = [
+        CacheMethod("fp", "full precision", lambda cfg: DynamicCache(config=cfg), True, "DynamicCache"),
+        CacheMethod("oscar_scaled", "OScaR (OscarScaledCache)", lambda cfg: OscarScaledCache(config=cfg), True,
+                    "OscarScaledCache() defaults: Hadamard, key token scaling, K per channel/32 tokens, V per token/32,"
+                    " residual 128"),
+    ]
+    if calibrated is not None:
+        methods += [
+            CacheMethod("oscar", "OSCAR (OscarCache, calibrated)", calibrated, True,
+                        "calibrated on Pride and Prejudice: spectral rotations, fitted clips, per-layer layouts"),
+            CacheMethod("oscar_token_scaling", "OSCAR calibrated + key token scaling",
+                        lambda cfg: with_key_token_scaling(calibrated(cfg)), True,
+                        "the calibrated OscarCache with OScaR's omni-token key scaling (a setting neither paper has)"),
+        ]
+    methods += [
+        CacheMethod("hadamard", "Hadamard INT2 (QuaRot-style)", lambda cfg: OscarCache(config=cfg), True,
+                    "OscarCache() uncalibrated: Hadamard, clips 0.96/0.92, sink 64, recent 256"),
+        CacheMethod("kivi2", "KIVI-2 (this engine)", lambda cfg: engine_cache(kivi2_recipe(d), cfg), True,
+                    "no rotation; K per channel/32 tokens, V per token/32 channels, residual 128"),
+        CacheMethod("naive", "naive INT2", lambda cfg: engine_cache(naive_int2_recipe(d), cfg), True,
+                    "per-token INT2, no rotation, no clip, sink 64, recent 256"),
+    ]
+    for backend in transformers_backends:
+        methods.append(CacheMethod(
+            backend, f"transformers QuantizedCache {backend} 2-bit",
+            lambda cfg, b=backend: _quantized_cache(b, cfg), False,
+            f"transformers QuantizedCache(backend={backend!r}, nbits=2), its defaults otherwise"))
+    return methods
+
+
+def _quantized_cache(backend: str, config) -> Cache:
+    from transformers import QuantizedCache
+
+    return QuantizedCache(backend, config, nbits=2)
+
+
+# ---------------------------------------------------------------------------------------------------- bits
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable from ``obj`` (tensor subclasses such as quanto's are flattened)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def cache_bits_per_element(cache: Cache, config, batch_size: int) -> float:
+    """Bits held per cached K/V element, from the bytes the cache holds: this library's caches report them
+    themselves; for others every tensor the layers hold (residual and quantized states, with their scales and
+    zero points) is counted."""
+    if isinstance(cache, OscarCacheBase):
+        return cache.bits_per_element()
+    cfg = config.get_text_config(decoder=True)
+    per_token = 2 * batch_size * cfg.num_key_value_heads * head_dim_of(config)
+    total_bytes, elements = 0, 0
+    for idx, layer in enumerate(cache.layers):
+        if not getattr(layer, "is_initialized", False):
+            continue
+        total_bytes += _tensor_bytes([layer.keys, layer.values, getattr(layer, "_quantized_keys", None),
+                                      getattr(layer, "_quantized_values", None)])
+        elements += per_token * cache.get_seq_length(idx)
+    if not elements:
+        raise ValueError("The cache is empty; fill it before measuring bits per element.")
+    return 8 * total_bytes / elements
+
+
+def _filled_bits(method: CacheMethod, config, tokens: int, seed: int, dtype: torch.dtype) -> float:
+    cfg = config.get_text_config(decoder=True)
+    heads, d = cfg.num_key_value_heads, head_dim_of(config)
+    cache = method.make_cache(config)
+    gen = torch.Generator().manual_seed(seed)
+    for idx in range(cfg.num_hidden_layers):
+        k, v = (torch.randn(1, heads, tokens, d, generator=gen).to(dtype) for _ in range(2))
+        cache.update(k, v, idx)
+    return cache_bits_per_element(cache, config, 1)
+
+
+def bits_at_length(method: CacheMethod, config, tokens: int = 131072, probes: tuple[int, int] = (4096, 8192),
+                   seed: int = 0, dtype: torch.dtype = torch.float32) -> float:
+    """Bits/element of a cache holding ``tokens`` tokens (batch 1) of K/V in ``dtype`` (the model dtype: it sets
+    the size of full-precision windows), from caches filled with random K/V in one update per layer (byte counts
+    do not depend on the values).
+
+    Beyond the larger probe length the caches are filled at the two ``probes`` lengths and their byte counts
+    extrapolated linearly: once the full-precision windows are full, every cache here grows by a fixed number of
+    bytes per token (per-token codes, scales and norms; per-block scales for token-grouped layouts, exact at
+    block-aligned lengths), so the line through two filled caches is exact and avoids quantizing 128k tokens per
+    layer on a CPU.
+    """
+    if tokens <= probes[1]:
+        return _filled_bits(method, config, tokens, seed, dtype)
+    t1, t2 = probes
+    b1, b2 = (_filled_bits(method, config, t, seed, dtype) * t for t in probes)  # bits per (element per token) * tokens
+    return (b1 + (b2 - b1) * (tokens - t1) / (t2 - t1)) / tokens
+
+
+# ---------------------------------------------------------------------------------------------------- stacking
+class _StackedLayer(CacheLayerMixin):
+    """One layer index of a :class:`StackedCache`: forwards each block of batch rows to its own cache."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, parts: list[tuple[Cache, slice]], layer_idx: int):
+        super().__init__()
+        self.parts, self.layer_idx = parts, layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        outs = [cache.update(key_states[rows], value_states[rows], self.layer_idx, *args, **kwargs)
+                for cache, rows in self.parts]
+        return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
+
+    def get_seq_length(self) -> int:
+        return self.parts[0][0].get_seq_length(self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.parts[0][0].get_mask_sizes(query_length, self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StackedCache(Cache):
+    """Several caches behind one batch: ``parts`` maps consecutive row blocks to caches, in order."""
+
+    def __init__(self, parts: list[tuple[Cache, slice]], num_layers: int):
+        self.parts = parts
+        super().__init__(layers=[_StackedLayer(parts, i) for i in range(num_layers)])
+
+
+def _num_layers(config) -> int:
+    return config.get_text_config(decoder=True).num_hidden_layers
+
+
+@torch.no_grad()
+def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = None):
+    """Run the prompt ``ids`` [B, T] once at full precision. Returns (per-layer [(K, V)], last-position logits [B, V])."""
+    batch_size = batch_size or ids.shape[0]
+    kv, logits = None, []
+    for start in range(0, ids.shape[0], batch_size):
+        cache = DynamicCache(config=model.config)
+        out = model(ids[start:start + batch_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits.append(out.logits[:, -1].float())
+        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = layer_kv if kv is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
+                                          for (k0, v0), (k1, v1) in zip(kv, layer_kv)]
+    return kv, torch.cat(logits)
+
+
+def stacked_caches(methods: list[CacheMethod], config, rows_per_method: int, prefill_kv=None) -> StackedCache:
+    """Fresh caches for every method (one per method, or one per row if not ``batched``), stacked method-major,
+    each optionally filled with the shared full-precision prefill."""
+    parts, start = [], 0
+    for method in methods:
+        blocks = [slice(start, start + rows_per_method)] if method.batched else \
+            [slice(start + r, start + r + 1) for r in range(rows_per_method)]
+        for rows in blocks:
+            cache = method.make_cache(config)
+            if prefill_kv is not None:
+                local = slice(rows.start - start, rows.stop - start)
+                for idx, (k, v) in enumerate(prefill_kv):
+                    cache.update(k[local], v[local], idx)
+            parts.append((cache, rows))
+        start += rows_per_method
+    return StackedCache(parts, _num_layers(config))
+
+
+# ---------------------------------------------------------------------------------------------------- perplexity
+def eval_windows(token_ids: list[int] | torch.Tensor, num_windows: int, window: int) -> torch.Tensor:
+    """``num_windows`` windows of ``window`` tokens at evenly spaced offsets over the text -> [num_windows, window]."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long)
+    if ids.numel() < window:
+        raise ValueError(f"The text has {ids.numel()} tokens, fewer than one window of {window}; use a shorter "
+                         "--window or a longer text.")
+    if num_windows < 1:
+        raise ValueError(f"num_windows must be >= 1, got {num_windows}.")
+    last = ids.numel() - window
+    offsets = [round(i * last / max(num_windows - 1, 1)) for i in range(num_windows)]
+    return torch.stack([ids[o:o + window] for o in offsets])
+
+
+@dataclass
+class PerplexityResult:
+    nll_sum: list[float]  # per window
+    tokens: list[int]  # scored tokens per window
+    bits_per_element: float | None = None  # held by the cache(s) at the end of the windows
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(sum(self.nll_sum) / sum(self.tokens))
+
+    @property
+    def window_perplexities(self) -> list[float]:
+        return [math.exp(s / n) for s, n in zip(self.nll_sum, self.tokens)]
+
+    def summary(self) -> dict:
+        w = self.window_perplexities
+        mean = sum(w) / len(w)
+        std = math.sqrt(sum((x - mean) ** 2 for x in w) / max(len(w) - 1, 1))
+        return {"perplexity": self.perplexity, "scored_tokens": sum(self.tokens), "window_perplexities": w,
+                "window_min": min(w), "window_max": max(w), "window_std": std,
+                "bits_per_element_at_window_end": self.bits_per_element}
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of ``targets`` [...] under ``logits`` [..., V], float64 sums per row."""
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return -logp.double()
+
+
+def _check_protocol(window: int, prefill: int, chunk: int) -> None:
+    if not (0 < prefill < window):
+        raise ValueError(f"prefill ({prefill}) must be between 1 and window-1 ({window - 1}).")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}.")
+
+
+@torch.no_grad()
+def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod], prefill: int = 512,
+                       chunk: int = 32, progress: bool = True) -> dict[str, PerplexityResult]:
+    """Chunked teacher-forced decode perplexity of every method, side by side.
+
+    Per window: the first ``prefill`` tokens go into a fresh cache in one forward (not scored); the remaining
+    tokens are fed in chunks of ``chunk`` through the same cache. Every token predicted in the chunk phase is
+    scored, the first one from the prefill's last logit: ``window - prefill`` tokens per window.
+    """
+    n_win, window = windows.shape
+    _check_protocol(window, prefill, chunk)
+    kv, first_logits = full_precision_prefill(model, windows[:, :prefill])
+    cache = stacked_caches(methods, model.config, n_win, kv)
+    del kv
+    ids = windows.repeat(len(methods), 1)  # method-major rows
+    nll = _token_nll(first_logits.repeat(len(methods), 1), ids[:, prefill])
+    counts = torch.ones(ids.shape[0], dtype=torch.long)
+    steps = range(prefill, window, chunk)
+    for start in tqdm(steps, desc=f"perplexity ({len(methods)} methods x {n_win} windows)", disable=not progress):
+        stop = min(start + chunk, window)
+        logits = model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits
+        targets = ids[:, start + 1:stop + 1]  # the last window token predicts nothing we can score
+        nll += _token_nll(logits[:, :targets.shape[1]], targets).sum(-1)
+        counts += targets.shape[1]
+        del logits
+    results = {}
+    for i, method in enumerate(methods):
+        rows = slice(i * n_win, (i + 1) * n_win)
+        bits = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
+                if rows.start <= r.start < rows.stop]
+        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(), sum(bits) / len(bits))
+    return results
+
+
+@torch.no_grad()
+def plain_perplexity(model, windows: torch.Tensor, prefill: int = 512, progress: bool = True) -> PerplexityResult:
+    """Reference: one plain forward per window, scoring the same tokens as :func:`chunked_perplexity`."""
+    n_win, window = windows.shape
+    _check_protocol(window, prefill, 1)
+    sums, counts = [], []
+    for w in tqdm(range(n_win), desc="plain forward", disable=not progress):
+        logits = model(windows[w:w + 1], use_cache=False, logits_to_keep=window - prefill + 1).logits[0, :-1]
+        sums.append(_token_nll(logits, windows[w, prefill:]).sum().item())
+        counts.append(window - prefill)
+    return PerplexityResult(sums, counts)
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+@torch.no_grad()
+def greedy_continuations(model, prompts: torch.Tensor, methods: list[CacheMethod], new_tokens: int,
+                         progress: bool = True, desc: str = "greedy decode") -> dict[str, torch.Tensor]:
+    """Greedy tokens [P, new_tokens] per method for prompts [P, T] (one shared full-precision prefill, then
+    every method decodes through its own cache)."""
+    n = prompts.shape[0]
+    kv, first_logits = full_precision_prefill(model, prompts, batch_size=1 if prompts.shape[1] > 2048 else None)
+    cache = stacked_caches(methods, model.config, n, kv)
+    del kv
+    token = first_logits.argmax(-1).repeat(len(methods))[:, None]
+    out = [token]
+    for _ in tqdm(range(new_tokens - 1), desc=desc, disable=not progress):
+        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+    tokens = torch.cat(out, dim=1)
+    return {m.key: tokens[i * n:(i + 1) * n] for i, m in enumerate(methods)}
+
+
+def agreement_prompts(token_ids, num_prompts: int = 16, prompt_tokens: int = 512) -> torch.Tensor:
+    return eval_windows(token_ids, num_prompts, prompt_tokens)
+
+
+def greedy_agreement(model, prompts: torch.Tensor, methods: list[CacheMethod], new_tokens: int = 64,
+                     reference: str = "fp", progress: bool = True) -> dict[str, dict]:
+    """Per method: fraction of the first ``new_tokens`` greedy tokens identical (position by position) to the
+    reference method's, and the mean length of the identical prefix."""
+    names = [m.key for m in methods]
+    if reference not in names:
+        raise ValueError(f"The reference method {reference!r} is not among the methods {names}.")
+    tokens = greedy_continuations(model, prompts, methods, new_tokens, progress, "greedy agreement")
+    ref = tokens[reference]
+    out = {}
+    for name, t in tokens.items():
+        same = t == ref
+        prefix = (same.long().cumprod(dim=1)).sum(dim=1).float()
+        out[name] = {"agreement": same.float().mean().item(), "mean_identical_prefix": prefix.mean().item(),
+                     "prompts": t.shape[0], "new_tokens": new_tokens}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- passkey
+PASSKEY_INTRO = ("Somewhere in the long text below there is a pass key. Read carefully, find the pass key "
+                 "and remember it, because you will be asked for it at the end.\n\n")
+PASSKEY_NEEDLE = "\n\nImportant: the pass key is {key}. Remember the number {key}. The pass key is {key}.\n\n"
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass
+class PasskeyPrompt:
+    ids: list[int]
+    key: str
+    length: int
+    depth: float
+    needle_position: int = field(default=0)
+
+
+def passkey_prompts(tokenizer, haystack: str, length: int, depths: list[float], seed: int = 0,
+                    key_digits: int = 5) -> list[PasskeyPrompt]:
+    """Prompts of exactly ``length`` tokens: intro, Austen haystack, the needle sentence at ``depth`` of the
+    haystack, question. One random ``key_digits``-digit key per prompt."""
+    gen = torch.Generator().manual_seed(seed * 7919 + length)
+    intro, question = encode(tokenizer, PASSKEY_INTRO), encode(tokenizer, PASSKEY_QUESTION)
+    hay_ids = encode(tokenizer, haystack)
+    prompts = []
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"Passkey depths must be within [0, 1], got {depth}.")
+        key = str(int(torch.randint(10 ** (key_digits - 1), 10 ** key_digits, (1,), generator=gen)))
+        needle = encode(tokenizer, PASSKEY_NEEDLE.format(key=key))
+        n_hay = length - len(intro) - len(needle) - len(question)
+        if n_hay < 1 or n_hay > len(hay_ids):
+            raise ValueError(f"A passkey prompt of {length} tokens leaves {n_hay} haystack tokens (haystack has "
+                             f"{len(hay_ids)}); choose a length between {len(intro) + len(needle) + len(question) + 1}"
+                             " and the haystack size.")
+        cut = round(depth * n_hay)
+        ids = intro + hay_ids[:cut] + needle + hay_ids[cut:n_hay] + question
+        prompts.append(PasskeyPrompt(ids, key, length, depth, len(intro) + cut))
+    return prompts
+
+
+def _answer_correct(text: str, key: str) -> bool:
+    digits = "".join(ch if ch.isdigit() else " " for ch in text).split()
+    return bool(digits) and digits[0] == key
+
+
+def passkey_accuracy(model, tokenizer, methods: list[CacheMethod], lengths: list[int], depths: list[float],
+                     haystack: str | None = None, seed: int = 0, progress: bool = True) -> dict[str, dict]:
+    """Greedy passkey retrieval accuracy per method and prompt length. The prompt is prefilled in one forward (as
+    ``generate`` does), then the answer is decoded greedily through each method's cache."""
+    haystack = haystack if haystack is not None else load_text(HAYSTACK_TEXT)
+    results = {m.key: {"per_length": {}, "answers": []} for m in methods}
+    for length in lengths:
+        prompts = passkey_prompts(tokenizer, haystack, length, depths, seed)
+        ids = torch.tensor([p.ids for p in prompts])
+        new_tokens = len(encode(tokenizer, " " + prompts[0].key)) + 2
+        tokens = greedy_continuations(model, ids, methods, new_tokens, progress, f"passkey {length} tokens")
+        for name, t in tokens.items():
+            texts = [tokenizer.decode(row.tolist(), skip_special_tokens=True) for row in t]
+            ok = [_answer_correct(text, p.key) for text, p in zip(texts, prompts)]
+            results[name]["per_length"][str(length)] = sum(ok) / len(ok)
+            results[name]["answers"] += [{"length": length, "depth": p.depth, "key": p.key, "answer": text,
+                                          "correct": c} for p, text, c in zip(prompts, texts, ok)]
+    for r in results.values():
+        accs = list(r["per_length"].values())
+        r["mean"] = sum(accs) / len(accs)
+    return results

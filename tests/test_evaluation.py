@@ -1,0 +1,189 @@
+"""The quality harness: protocol correctness (chunked == plain forward), stacking and shared prefill exactness,
+bits accounting, passkey prompts, and the whole benchmark pipeline on a tiny random model."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2.evaluation import (
+    ByteTokenizer,
+    CacheMethod,
+    _answer_correct,
+    bits_at_length,
+    chunked_perplexity,
+    engine_cache,
+    eval_windows,
+    greedy_agreement,
+    kivi2_recipe,
+    load_text,
+    passkey_prompts,
+    plain_perplexity,
+    standard_methods,
+    with_key_token_scaling,
+)
+from hf_kvint2.layers import OscarLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return eval_windows(ByteTokenizer().encode(load_text("emma.txt")[:200_000]), 2, 448)
+
+
+def _method(key, factory, batched=True):
+    return CacheMethod(key, key, factory, batched)
+
+
+FP = _method("fp", lambda cfg: DynamicCache(config=cfg))
+
+
+def test_chunked_full_precision_equals_plain_forward(tiny, windows):
+    chunked = chunked_perplexity(tiny, windows, [FP], prefill=128, chunk=32, progress=False)["fp"]
+    plain = plain_perplexity(tiny, windows, prefill=128, progress=False)
+    assert chunked.tokens == plain.tokens == [448 - 128] * 2
+    assert abs(chunked.perplexity / plain.perplexity - 1) < 1e-3
+    for a, b in zip(chunked.window_perplexities, plain.window_perplexities):
+        assert abs(a / b - 1) < 1e-3
+
+
+def test_stacking_and_batching_do_not_change_results(tiny, windows):
+    scaled = _method("scaled", lambda cfg: OscarScaledCache(config=cfg))
+    scaled_rows = _method("scaled_rows", lambda cfg: OscarScaledCache(config=cfg), batched=False)
+    hadamard = _method("hadamard", lambda cfg: OscarCache(config=cfg))
+    together = chunked_perplexity(tiny, windows, [FP, scaled, scaled_rows, hadamard], 128, 32, progress=False)
+    alone = chunked_perplexity(tiny, windows, [hadamard], 128, 32, progress=False)["hadamard"]
+    assert abs(together["scaled"].perplexity / together["scaled_rows"].perplexity - 1) < 1e-5
+    assert abs(together["hadamard"].perplexity / alone.perplexity - 1) < 1e-5
+    assert together["scaled"].perplexity != together["fp"].perplexity  # quantization did happen
+    assert together["scaled"].bits_per_element < 16  # 448 tokens, 128 of them in the fp32 residual
+
+
+def test_shared_prefill_replay_equals_a_real_prefill(tiny, windows):
+    """The harness replays one full-precision prefill into each cache; a prefill forward through the cache itself
+    must give the same cache contents and the same next-chunk logits."""
+    ids = windows[:1, :320]
+    with torch.no_grad():
+        real = OscarCache(config=tiny.config)
+        tiny(ids[:, :256], past_key_values=real, use_cache=True)
+        fp = DynamicCache(config=tiny.config)
+        tiny(ids[:, :256], past_key_values=fp, use_cache=True)
+        replay = OscarCache(config=tiny.config)
+        for idx, layer in enumerate(fp.layers):
+            replay.update(layer.keys, layer.values, idx)
+        a = tiny(ids[:, 256:], past_key_values=real, use_cache=True).logits
+        b = tiny(ids[:, 256:], past_key_values=replay, use_cache=True).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bits_per_element(tiny):
+    cfg = tiny.config
+    assert bits_at_length(FP, cfg, 512) == 32.0
+    kivi = _method("kivi", lambda c: engine_cache(kivi2_recipe(32), c))
+    # KIVI-2 at head_dim 32: codes 2 bits + fp16 scale/lo per 32 elements (K: per channel over 32 tokens, V: per
+    # token over 32 channels) = 3 bits, plus the 128-token full-precision residual (32 bits) -> 3 + 29 * 128 / T.
+    t = 4096
+    assert bits_at_length(kivi, cfg, t) == pytest.approx(3 + 29 * 128 / t, rel=1e-6)
+    assert 2.0 < bits_at_length(_method("o", lambda c: OscarCache(config=c)), cfg, t) < 8.0
+    # the linear extrapolation from two probe lengths equals a direct fill
+    for m in (kivi, _method("o", lambda c: OscarCache(config=c)), _method("s", lambda c: OscarScaledCache(config=c))):
+        assert bits_at_length(m, cfg, t, probes=(1024, 2048)) == pytest.approx(bits_at_length(m, cfg, t), rel=1e-9)
+
+
+def test_with_key_token_scaling_adds_norms_to_a_calibrated_cache(tiny, windows):
+    rots = [torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0].float() for _ in range(2)]
+    calibrated = lambda cfg: OscarCache(config=cfg, k_rotations=rots, v_rotations=rots)
+    methods = standard_methods(tiny.config, calibrated, transformers_backends=())
+    keys = [m.key for m in methods]
+    assert keys[:4] == ["fp", "oscar_scaled", "oscar", "oscar_token_scaling"]
+    cache = next(m for m in methods if m.key == "oscar_token_scaling").make_cache(tiny.config)
+    assert all(layer.recipe.key.token_scaling and not layer.recipe.value.token_scaling for layer in cache.layers)
+    assert torch.equal(cache.layers[1].recipe.key_rotation, rots[1])
+    with torch.no_grad():
+        tiny(windows[:1, :400], past_key_values=cache, use_cache=True)
+    assert isinstance(cache.layers[0], OscarLayer) and cache.memory_report()["total"]["norms"] > 0
+    with pytest.raises(ValueError, match="fresh cache"):
+        with_key_token_scaling(cache)
+
+
+def test_greedy_agreement_reference_is_exact(tiny, windows):
+    res = greedy_agreement(tiny, windows[:, :200], [FP, _method("fp2", lambda cfg: DynamicCache(config=cfg))],
+                           new_tokens=6, progress=False)
+    assert res["fp"]["agreement"] == 1.0 and res["fp2"]["agreement"] == 1.0
+    assert res["fp"]["mean_identical_prefix"] == 6.0
+
+
+def test_passkey_prompts_place_the_needle():
+    tok = ByteTokenizer()
+    hay = load_text("sensesensibility.txt")[:20_000]
+    prompts = passkey_prompts(tok, hay, 2000, [0.0, 0.5, 1.0], seed=3)
+    for p in prompts:
+        assert len(p.ids) == 2000 and len(p.key) == 5
+        text = tok.decode(p.ids)
+        assert text.count(p.key) == 3 and text.endswith("The pass key is")
+    assert prompts[0].needle_position < prompts[1].needle_position < prompts[2].needle_position
+    assert _answer_correct(" 12345.\n", "12345") and not _answer_correct(" 1234 5", "12345")
+    assert not _answer_correct(" none", "12345")
+    with pytest.raises(ValueError, match="haystack tokens"):
+        passkey_prompts(tok, hay, 50, [0.5])
+
+
+def test_inputs_are_checked():
+    with pytest.raises(ValueError, match="calibration text"):
+        load_text("prideprejudice.txt")
+    with pytest.raises(ValueError, match="fewer than one window"):
+        eval_windows(list(range(100)), 2, 200)
+
+
+def test_quick_pipeline_writes_sane_outputs(tmp_path):
+    import quality
+
+    out = tmp_path / "q"
+    quality.main(["--quick", "--out", str(out), "--methods", "fp,oscar_scaled,hadamard,kivi2,naive"])
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["key"]: r for r in result["rows"]}
+    assert list(rows) == ["fp", "oscar_scaled", "hadamard", "kivi2", "naive"]
+    for r in rows.values():
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+        assert len(r["window_perplexities"]) == result["protocol"]["windows"] == 2
+        assert r["scored_tokens"] == 2 * (512 - 128)
+        assert 1 < r["bits_per_element_16bit"] <= r["bits_per_element"] <= 32
+        assert set(r["passkey"]["per_length"]) == {"384", "512"}
+        assert 0 <= r["agreement"]["agreement"] <= 1
+    assert rows["fp"]["delta_pct"] == 0 and rows["fp"]["agreement"]["agreement"] == 1.0
+    assert rows["fp"]["bits_per_element"] == 32 and rows["oscar_scaled"]["bits_per_element"] < 8
+    assert result["plain_forward_check"]["relative_difference"] < 1e-3
+    table = out.with_suffix(".md").read_text()
+    assert sum(line.startswith("| ") for line in table.splitlines()) == 1 + len(rows)
+    assert "Δ vs full precision" in table
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --update keeps earlier rows and refuses a run whose full precision differs
+    quality.main(["--quick", "--out", str(out), "--methods", "fp,naive", "--skip", "plain,agreement,passkey",
+                  "--update"])
+    merged = json.loads(out.with_suffix(".json").read_text())
+    assert [r["key"] for r in merged["rows"]] == list(rows) and len(merged["runs"]) == 2
+
+
+@pytest.mark.slow
+def test_smollm2_chunked_equals_plain_forward():
+    from hf_kvint2.models import load_smollm2
+
+    model, tok = load_smollm2(torch.float32, attn_implementation="sdpa")
+    ids = eval_windows(tok.encode(load_text("emma.txt")[:60_000], add_special_tokens=False), 1, 768)
+    chunked = chunked_perplexity(model, ids, [FP], prefill=256, chunk=32, progress=False)["fp"]
+    plain = plain_perplexity(model, ids, prefill=256, progress=False)
+    assert abs(chunked.perplexity / plain.perplexity - 1) < 1e-3
