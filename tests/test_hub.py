@@ -541,3 +541,22 @@ def test_shipped_artifacts_are_package_data():
     assert shipped and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in shipped), shipped
     for artifact_id, folder in hub.EMBEDDED_ARTIFACTS.items():
         assert {p.name for p in folder.iterdir()} >= {"config.json", "README.md"}, artifact_id
+
+
+@pytest.mark.slow
+def test_shipped_artifact_runs_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    text = (Path(hub.__file__).parent / "data" / "emma.txt").read_text(encoding="utf-8")[20000:24000]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :352]  # > sink 64 + recent 256: the body is used
+    cache = OscarCache.from_pretrained(hub.SMOLLM2_ARTIFACT_ID, config=model.config)  # checked against the model
+
+    def run(c):
+        with torch.no_grad():
+            return torch.cat([model(ids[:, s:s + 176], past_key_values=c).logits for s in (0, 176)], dim=1)
+
+    logits = run(cache)
+    assert torch.isfinite(logits).all() and cache.layers[0].body_len > 0
+    assert not torch.equal(logits, run(OscarCache()))  # the calibration is in effect
+    with pytest.raises(ArtifactError, match="num_key_value_heads=3, but the model .* has num_key_value_heads=2"):
+        chunked_logits(make_tiny_llama(kv_heads=2, head_dim=64), OscarCache.from_pretrained(
+            hub.SMOLLM2_ARTIFACT_ID), torch.zeros(1, 8, dtype=torch.long))
