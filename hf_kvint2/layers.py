@@ -194,13 +194,19 @@ class OscarLayer(CacheLayerMixin):
         n_new = key_states.shape[-2]
         to_sink = min(max(self.recipe.sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
             self.recent_k.shape[-2] == 0 else 0
+        before = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
         if to_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sink]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sink]], dim=-2)
         if n_new > to_sink:
             self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sink:]], dim=-2)
             self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sink:]], dim=-2)
-        self._demote()
+        try:
+            self._demote()
+        except ValueError as err:  # e.g. values too large for fp16 scales: reject the update, keep the cache as it was
+            self.sink_k, self.sink_v, self.recent_k, self.recent_v = before
+            self._truncate_body(self.body_len)
+            raise ValueError(f"{self._name}: {err}") from err
         self.seq_len += n_new
         step = LayerStep(self, key_states, value_states)
         # Once the "oscar" attention reads this layer, return zero-storage placeholders it reads the codes through

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_kvint2 import OscarLayer, OscarScaledCache, dequantize_int2, pack_int2, quantize_int2, unpack_int2
+from hf_kvint2 import OscarCache, OscarLayer, OscarScaledCache, dequantize_int2, pack_int2, quantize_int2, unpack_int2
 from hf_kvint2.recipes import oscar_recipe
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -180,3 +180,22 @@ def test_nonfinite_input_to_a_layer_names_the_layer(bad):
     cache.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), 0)
     with pytest.raises(ValueError, match="layer 1.*NaN or Inf"):
         cache.update(v, k, 1)
+
+
+@pytest.mark.parametrize("make", [lambda **kw: OscarScaledCache(recent_tokens=8, group_size=8, **kw),
+                                  lambda **kw: OscarCache(sink_tokens=4, recent_tokens=8, **kw)])
+def test_fp16_scale_overflow_in_a_cache_names_the_layer_and_rejects_the_update(make):
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 24, 16, generator=g), torch.randn(1, 2, 24, 16, generator=g)
+    cache = make()
+    cache.update(k, v, 0)
+    held = {k: n for k, n in cache.memory_report()["total"].items() if k != "allocated"}  # capacity may grow
+    big = v[:, :, :16] * 1e5  # fits the bf16 model dtype, not fp16 scales
+    with pytest.raises(ValueError, match="layer 0: .*fp16 scales.*scale_dtype=torch.bfloat16"):
+        cache.update(k[:, :, :16], big, 0)
+    after = {k: n for k, n in cache.memory_report()["total"].items() if k != "allocated"}
+    assert cache.get_seq_length() == 24 and after == held  # nothing half-written
+    wide = make(scale_dtype=torch.bfloat16)
+    wide.update(k, v, 0)
+    keys, values = wide.update(k[:, :, :16], big, 0)
+    assert torch.isfinite(values).all() and wide.get_seq_length() == 40
