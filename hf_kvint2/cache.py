@@ -141,6 +141,10 @@ class OscarScaledCache(OscarCacheBase):
 
     ``OscarScaledCache()`` creates its layers lazily; ``OscarScaledCache(config=model.config)`` creates them up
     front (and keeps sliding-window layers in full precision). All settings are keyword arguments.
+
+    Tensor parallelism (transformers' ``tp_plan``): built with ``config=model.config`` of a sharded model, the cache
+    holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
+    group (``hf_kvint2.distributed.tp_group(model)``). See ``hf_kvint2.distributed``.
     """
 
     artifact_format = hub.OSCAR_SCALED_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hub.py
@@ -167,6 +171,10 @@ class OscarCache(OscarCacheBase):
     Per-layer settings (``k_rotations``, ``v_rotations``, ``k_clip``, ``v_clip``, ``key_means``,
     ``value_means``, ``layer_layouts``) are sequences indexed by layer; scalars apply to every layer.
     ``layer_layouts`` entries are ``(key GroupLayout, value GroupLayout)`` pairs chosen by calibration.
+
+    Tensor parallelism (transformers' ``tp_plan``): built with ``config=model.config`` of a sharded model, the cache
+    holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
+    group (``hf_kvint2.distributed.tp_group(model)``). See ``hf_kvint2.distributed``.
     """
 
     artifact_format = hub.OSCAR_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hub.py
