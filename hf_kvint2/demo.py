@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
+from .attention import ATTN_IMPLEMENTATION
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .models import load_smollm2
 
@@ -34,18 +35,17 @@ def make_oscar_cache(model) -> OscarCache:
 
 
 def austen_context(tokenizer, context_tokens: int) -> torch.Tensor:
-    """The first ``context_tokens`` tokens of *Emma* (fewer when a sentence ends just before), as ``[1, T]`` ids."""
+    """The first ``context_tokens`` tokens of *Emma* (cut back to the last paragraph end), as ``[1, T]`` ids."""
     text = files("hf_kvint2.data").joinpath("emma.txt").read_text(encoding="utf-8")
     start = text.index("Emma Woodhouse, handsome")  # skip the title page
     ids = tokenizer(text[start:start + 12 * context_tokens], return_tensors="pt").input_ids[:, :context_tokens]
     if ids.shape[1] < context_tokens:
         raise ValueError(f"--context-tokens {context_tokens} is longer than the text slice; use a smaller value")
-    # End at a sentence boundary so the continuation starts a new sentence rather than finishing a word.
-    prompt = tokenizer.decode(ids[0])
-    cut = prompt.rfind(". ")
+    # End at a paragraph boundary so the continuation starts a new paragraph rather than finishing a word.
+    prompt = tokenizer.decode(ids[0], skip_special_tokens=True)
+    cut = prompt.rfind("\n\n")
     if cut > len(prompt) // 2:
-        prompt = prompt[:cut + 1]
-        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = tokenizer(prompt[:cut + 2], return_tensors="pt").input_ids
     return ids
 
 
@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="model and full-precision cache dtype (default: bfloat16 on GPU, float32 on CPU, where "
                              "bfloat16 matmuls are slow without AVX512-BF16)")
+    parser.add_argument("--attn-implementation", default=ATTN_IMPLEMENTATION,
+                        help=f"'{ATTN_IMPLEMENTATION}' (default: fused INT2 attention; full-precision caches get "
+                             "SDPA) or a transformers one such as 'sdpa' (the portable path: dequantize per step)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.context_tokens < 16:
         parser.error("--max-new-tokens must be >= 1 and --context-tokens >= 16")
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     print("Loading SmolLM2-135M-Instruct (the first run converts the bundled GGUF to safetensors, ~40 s) ...",
           file=sys.stderr)
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model, tokenizer = load_smollm2(dtype=dtype)
+    model, tokenizer = load_smollm2(dtype=dtype, attn_implementation=args.attn_implementation)
     if torch.cuda.is_available():
         model.to("cuda")
     input_ids = austen_context(tokenizer, args.context_tokens).to(model.device)
