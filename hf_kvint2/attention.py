@@ -59,7 +59,7 @@ class LayerStep:
     that were already demoted to the body or stored in the sink are attended from the chunk itself.
     """
 
-    __slots__ = ("layer", "sink_k", "sink_v", "body_tokens", "tail_k", "tail_v", "_full", "__weakref__")
+    __slots__ = ("__weakref__", "_full", "body_tokens", "layer", "sink_k", "sink_v", "tail_k", "tail_v")
 
     def __init__(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
         n_new = key_states.shape[-2]
@@ -127,7 +127,7 @@ class DeferredKV(torch.Tensor):
     which: int
 
     @staticmethod
-    def make(step: LayerStep, which: int) -> "DeferredKV":
+    def make(step: LayerStep, which: int) -> DeferredKV:
         like = step.tail_k
         shape = (*like.shape[:2], step.seq_len, like.shape[-1])
         t = like.new_zeros(()).expand(shape).as_subclass(DeferredKV)
@@ -196,7 +196,7 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
 
 
 # ---------------------------------------------------------------------------------------------------- INT2 body, CPU
-BODY_BLOCK_TOKENS = 1024
+BODY_BLOCK_TOKENS = 512
 
 
 def _dequantize_rotated_block(stream, t0: int, t1: int) -> torch.Tensor:
@@ -292,7 +292,7 @@ def fused_step_attention(query: torch.Tensor, step: LayerStep, attention_mask: t
                          scaling: float, is_causal: bool) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over one layer step, body read from codes. Returns [B, Hq, Lq, D]."""
     layer = step.layer
-    b, hq, lq, d = query.shape
+    _b, hq, lq, _d = query.shape
     hkv = layer.num_heads
     groups = hq // hkv
     n_sink, n_body, total = step.sink_k.shape[-2], step.body_tokens, step.seq_len
@@ -356,6 +356,16 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "LayerStep", "DeferredKV", "oscar_attention_forward", "fused_step_attention",
-           "body_attention", "body_attention_blocked", "body_attention_cpu", "dense_partial", "merge_partials",
-           "register"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DeferredKV",
+    "LayerStep",
+    "body_attention",
+    "body_attention_blocked",
+    "body_attention_cpu",
+    "dense_partial",
+    "fused_step_attention",
+    "merge_partials",
+    "oscar_attention_forward",
+    "register",
+]

@@ -52,7 +52,7 @@ if _NUMBA:
             qt = q[b, h]
             scores = np.empty((n, rp), np.float32)  # [token, query row]
             x = np.empty(d, np.float32)
-            part = np.empty(rp, np.float32)
+            np.empty(rp, np.float32)
             # ---- scores
             if k_token_axis:
                 # lut[j * 256 + byte, r] = q_r . (codes in byte j): a token's dot product is d/4 lookups per group.
@@ -228,9 +228,11 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     vc, vs, vl, vn = _stream_arrays(value_body, n, b)
     out = torch.empty(b, hkv, padded, d)
     lse = torch.empty(b, hkv, padded)
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    torch_threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))
     _body_attention_kernel(q.numpy(), bias.numpy(), add.numpy(), lq, kc, ks, kl, kn,
                            key_body.layout.axis == "token", key_body.group,
                            vc, vs, vl, vn, value_body.layout.axis == "token", value_body.group, n,
                            out.numpy(), lse.numpy())
+    torch.set_num_threads(torch_threads)  # both use the OpenMP runtime: keep torch's setting
     return out[:, :, :rows].reshape(b, hq, lq, d), lse[:, :, :rows].reshape(b, hq, lq)

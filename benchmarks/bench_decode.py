@@ -1,0 +1,187 @@
+"""CPU decode benchmark: ms per generated token and peak process memory, SmolLM2-135M in fp32.
+
+Caches: transformers' DynamicCache and QuantizedCache(backend="hqq", nbits=2), and OscarCache / OscarScaledCache
+on the portable path (model with attn_implementation="sdpa") and on the fused path ("oscar").
+
+Every (cache, batch, context) runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) is its own: model load,
+cache fill and decode. The cache is filled with random K/V for every layer (decode time does not depend on the
+values, and a real 8k-token prefill at batch 8 takes many minutes on a 2-core CPU): layer 0 in chunks of 1024
+tokens, copied to every layer; then
+``--warmup`` decode steps (untimed: the first compiles the Numba kernel and switches the layers to the fused path)
+and ``--steps`` timed ones; the median step time is reported. Ratios are against DynamicCache from the same run.
+
+    python benchmarks/bench_decode.py                       # batch 1, 8 x context 2k, 8k -> results/decode_cpu.*
+    python benchmarks/bench_decode.py --batches 8 --contexts 8192 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = ("dynamic", "hqq", "oscar-portable", "oscar-fused", "scaled-portable", "scaled-fused")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed: int, threads: int) -> dict:
+    import warnings
+
+    import torch
+    from transformers import DynamicCache, QuantizedCache
+
+    import hf_kvint2
+    from hf_kvint2.models import load_smollm2
+
+    warnings.simplefilter("ignore")  # the portable-path warning is expected here
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    fused = config.endswith("-fused")
+    model, _ = load_smollm2(torch.float32, attn_implementation=hf_kvint2.ATTN_IMPLEMENTATION if fused else "sdpa")
+    cfg = model.config
+    rss_model = _rss_mib()
+    if config == "dynamic":
+        cache = DynamicCache(config=cfg)
+    elif config == "hqq":
+        cache = QuantizedCache(backend="hqq", config=cfg, nbits=2)
+    elif config.startswith("oscar"):
+        cache = hf_kvint2.OscarCache(config=cfg)
+    else:
+        cache = hf_kvint2.OscarScaledCache(config=cfg)
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    oscar_layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, hf_kvint2.OscarLayer)]
+    for layer in oscar_layers:  # the fill discards update()'s return value: skip building the full view
+        layer.fused_attention = True
+    chunk = 1024
+    t0 = time.perf_counter()
+    with torch.no_grad():  # fill layer 0, then give every layer a copy of it (quantizing 30 layers takes minutes)
+        for start in range(0, context, chunk):
+            n = min(chunk, context - start)
+            cache.update(torch.randn(batch, kv_heads, n, head_dim), torch.randn(batch, kv_heads, n, head_dim), 0)
+        for idx in range(1, cfg.num_hidden_layers):
+            layer = copy.deepcopy(cache.layers[0])
+            if hasattr(layer, "layer_idx"):
+                layer.layer_idx = idx
+            if idx < len(cache.layers):
+                cache.layers[idx] = layer
+            else:
+                cache.layers.append(layer)
+    oscar_layers = [layer for layer in cache.layers if isinstance(layer, hf_kvint2.OscarLayer)]
+    fill_s = time.perf_counter() - t0
+    for layer in oscar_layers:  # portable configs read the full view; fused ones read the codes
+        layer.fused_attention = fused
+    tokens = torch.randint(0, cfg.vocab_size, (batch, 1))
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            t = time.perf_counter()
+            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+            tokens = logits[:, -1:].argmax(-1)
+            if i >= warmup:
+                times.append((time.perf_counter() - t) * 1e3)
+    return {"config": config, "batch": batch, "context": context, "ms_per_token": statistics.median(times),
+            "ms_all_steps": times, "peak_rss_mib": _rss_mib(), "rss_after_model_load_mib": rss_model,
+            "fill_s": fill_s, "threads": torch.get_num_threads()}
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["batch"], r["context"]) for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(CONFIGS)
+    for ci, config in enumerate(CONFIGS):
+        rows = {(r["batch"], r["context"]): r for r in results if r["config"] == config}
+        xs = [i + ci * width for i in range(len(cases))]
+        axes[0].bar(xs, [rows[c]["ms_per_token"] if c in rows else 0 for c in cases], width, label=config)
+        axes[1].bar(xs, [rows[c]["peak_rss_mib"] if c in rows else 0 for c in cases], width, label=config)
+    for ax, title in zip(axes, ("decode ms / token (lower is better)", "peak process memory, MiB")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels([f"batch {b}\n{c // 1024}k ctx" for b, c in cases])
+        ax.set_title(title)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M fp32 decode on CPU (hf_kvint2 benchmarks/bench_decode.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (torch and Numba); 0: torch's default")
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json")
+    ap.add_argument("--worker", nargs=3, metavar=("CONFIG", "BATCH", "CONTEXT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        config, batch, context = args.worker
+        print(json.dumps(worker(config, int(batch), int(context), args.steps, args.warmup, args.seed,
+                                args.threads)))
+        return
+
+    from tqdm import tqdm
+
+    jobs = [(c, b, t) for b in args.batches for t in args.contexts for c in args.configs]
+    results = []
+    for config, batch, context in tqdm(jobs, desc="decode benchmark"):
+        cmd = [sys.executable, __file__, "--worker", config, str(batch), str(context), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"{config} batch={batch} context={context} failed:\n{proc.stderr[-3000:]}")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(row)
+        tqdm.write(f"{config:16s} b={batch} ctx={context:5d}: {row['ms_per_token']:9.1f} ms/token, "
+                   f"peak {row['peak_rss_mib']:7.0f} MiB")
+    for row in results:
+        base = next((r for r in results if r["config"] == "dynamic" and r["batch"] == row["batch"]
+                     and r["context"] == row["context"]), None)
+        if base is not None:
+            row["speed_vs_dynamic"] = base["ms_per_token"] / row["ms_per_token"]
+            row["memory_vs_dynamic"] = row["peak_rss_mib"] / base["peak_rss_mib"]
+        hqq = next((r for r in results if r["config"] == "hqq" and r["batch"] == row["batch"]
+                    and r["context"] == row["context"]), None)
+        if hqq is not None:
+            row["speed_vs_hqq"] = hqq["ms_per_token"] / row["ms_per_token"]
+    import torch
+
+    meta = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "steps": args.steps, "warmup": args.warmup,
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "cache_fill": "random K/V for layer 0 in chunks of 1024 tokens, copied to every layer",
+            "load_average_at_start": os.getloadavg()[0], "threads": args.threads or "torch default", "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    png = args.out.with_suffix(".png")
+    plot(results, png)
+    print(f"wrote {args.out} and {png}")
+    for row in results:
+        extra = "".join(f", {k} {row[k]:.2f}" for k in ("speed_vs_dynamic", "memory_vs_dynamic", "speed_vs_hqq")
+                        if k in row)
+        print(f"{row['config']:16s} b={row['batch']} ctx={row['context']:5d}: {row['ms_per_token']:8.1f} ms/token, "
+              f"peak {row['peak_rss_mib']:6.0f} MiB{extra}")
+
+
+if __name__ == "__main__":
+    main()

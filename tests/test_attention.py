@@ -1,0 +1,266 @@
+"""The "oscar" fused attention: same results as the portable path, SDPA fallback, warnings, no full-precision copy."""
+
+from __future__ import annotations
+
+import copy
+import importlib.resources
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_kvint2
+from hf_kvint2 import OscarCache, OscarScaledCache, attention, cpu_kernels
+from hf_kvint2.layers import OscarLayer
+from hf_kvint2.recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# Small windows so that a few dozen tokens already reach the INT2 body.
+CACHES = {
+    "oscar": lambda: OscarCache(sink_tokens=4, recent_tokens=8, group_size=16, k_clip=0.96, v_clip=0.92),
+    "scaled": lambda: OscarScaledCache(recent_tokens=8, group_size=8),
+}
+TOL = 1e-4
+
+
+@pytest.fixture(params=["torch", "numba"])
+def cpu_kernel(request, monkeypatch):
+    """Run a test with the blocked PyTorch body path and with the Numba kernel."""
+    if request.param == "numba" and not cpu_kernels.available():
+        pytest.skip("numba is not installed (optional extra 'cpu')")
+    monkeypatch.setenv("HF_KVINT2_CPU_KERNEL", request.param)
+    return request.param
+
+
+def _left_padded(batch=2, length=30, pad=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :pad], mask[0, :pad] = 0, 0
+    return ids, mask
+
+
+def _generate(model, cache, ids, mask, **kw):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=False, output_logits=True,
+                             output_scores=True, return_dict_in_generate=True, **kw)
+    return out
+
+
+def _count_body_calls(monkeypatch):
+    calls = []
+    original = attention.body_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("n_tokens"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "body_attention", spy)
+    return calls
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def test_registered_and_selectable(tiny_model):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert "oscar" in AttentionInterface._global_mapping and "oscar" in AttentionMaskInterface._global_mapping
+    assert tiny_model("llama", attn="oscar").config._attn_implementation == "oscar"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(tiny_model("llama").config), attn_implementation="sdpa")
+    model.set_attn_implementation("oscar")
+    assert model.config._attn_implementation == "oscar"
+
+
+# ------------------------------------------------------------------------------------------------ fused == portable
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_greedy_left_padded_matches_portable(tiny_model, arch, cache, cpu_kernel, monkeypatch):
+    ids, mask = _left_padded()
+    ref = _generate(tiny_model(arch), CACHES[cache](), ids, mask, max_new_tokens=24)
+    calls = _count_body_calls(monkeypatch)
+    out = _generate(tiny_model(arch, attn="oscar"), CACHES[cache](), ids, mask, max_new_tokens=24)
+    assert len(calls) >= 2 * 20, "the fused path must read the INT2 body at every decode step"
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=TOL, rtol=0)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_beam_search_matches_portable(tiny_model, cache):
+    ids, mask = _left_padded(length=26)
+    ref = _generate(tiny_model("llama"), CACHES[cache](), ids, mask, max_new_tokens=12, num_beams=3)
+    out = _generate(tiny_model("llama", attn="oscar"), CACHES[cache](), ids, mask, max_new_tokens=12, num_beams=3)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_prefill_continuing_a_cache(tiny_model, cache, cpu_kernel):
+    """Chunked prefill / multi-turn: forwards of several tokens on top of a cache that already has an INT2 body."""
+    ids, mask = _left_padded(length=70, pad=5, seed=3)
+    chunks = [(0, 24), (24, 41), (41, 42), (42, 70)]
+    logits = {}
+    for attn in ("sdpa", "oscar"):
+        model, c = tiny_model("llama", attn=attn), CACHES[cache]()
+        logits[attn] = []
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for a, z in chunks:
+                out = model(input_ids=ids[:, a:z], attention_mask=mask[:, :z], past_key_values=c, use_cache=True)
+                logits[attn].append(out.logits)
+        assert c.layers[0].body_len > 0
+    for fused, portable in zip(logits["oscar"], logits["sdpa"]):
+        # padded query rows attend to nothing real; compare the rows of real tokens
+        torch.testing.assert_close(fused[1], portable[1], atol=TOL, rtol=0)
+        torch.testing.assert_close(fused[0, -1], portable[0, -1], atol=TOL, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ fallback, warnings
+def test_other_cache_or_none_is_sdpa(tiny_model):
+    from transformers import DynamicCache
+
+    ids, mask = _left_padded()
+    sdpa, oscar = tiny_model("qwen2"), tiny_model("qwen2", attn="oscar")
+    with torch.no_grad():
+        for kw in ({"use_cache": False}, {"past_key_values": DynamicCache()}):
+            ref = sdpa(input_ids=ids, attention_mask=mask, **kw).logits
+            out = oscar(input_ids=ids, attention_mask=mask, **{k: (DynamicCache() if k == "past_key_values" else v)
+                                                                for k, v in kw.items()}).logits
+            assert torch.equal(out, ref)
+    a = _generate(sdpa, DynamicCache(), ids, mask, max_new_tokens=6)
+    b = _generate(oscar, DynamicCache(), ids, mask, max_new_tokens=6)
+    assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+
+
+def test_portable_path_warns_once(tiny_model, monkeypatch):
+    monkeypatch.setitem(attention._portable_warning, "issued", False)
+    ids, mask = _left_padded()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            tiny_model("llama").generate(ids, attention_mask=mask, past_key_values=CACHES["oscar"](),
+                                         max_new_tokens=4, do_sample=False)
+    ours = [w for w in caught if "hf_kvint2" in str(w.message)]
+    assert len(ours) == 1 and 'attn_implementation="oscar"' in str(ours[0].message)
+
+    monkeypatch.setitem(attention._portable_warning, "issued", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_model("llama", attn="oscar").generate(ids, attention_mask=mask, past_key_values=CACHES["oscar"](),
+                                                   max_new_tokens=4, do_sample=False)
+    assert not [w for w in caught if "hf_kvint2" in str(w.message)]
+
+
+def test_deferred_view_materializes_for_other_attention():
+    """A layer switched to the fused path still gives other attention implementations the full view."""
+    torch.manual_seed(0)
+    layer = OscarLayer(oscar_recipe(sink_tokens=2, recent_tokens=4, group_size=8), 0)
+    k, v = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    layer.update(k, v)
+    layer.fused_attention = True
+    k1, v1 = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    dk, dv = layer.update(k1, v1)
+    assert isinstance(dk, attention.DeferredKV) and dk.shape == (1, 2, 21, 8)
+    # past tokens as stored (body dequantized), the new token at full precision
+    want_k = torch.cat([layer.sink_k, layer.key_body.dequantize(), layer.recent_k], dim=2)
+    want_v = torch.cat([layer.sink_v, layer.value_body.dequantize(), layer.recent_v], dim=2)
+    assert torch.equal(layer.recent_k[:, :, -1:], k1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(dk * 1, want_k, atol=0, rtol=0)
+        torch.testing.assert_close(dv + 0, want_v, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ body kernels
+LAYOUTS = {
+    "token keys, centred": oscar_recipe(sink_tokens=0, recent_tokens=0, group_size=8,
+                                        key_mean=torch.randn(2, 16), value_mean=torch.randn(2, 16)),
+    "channel keys with norms": oscar_scaled_recipe(recent_tokens=0, group_size=8),
+    "channel values, normed token values": oscar_recipe(
+        sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("token", 16, None, True),
+        value_layout=GroupLayout("channel", 4, None, True)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3)])
+def test_body_kernels_agree(layout, groups, query_len):
+    """Numba kernel == blocked PyTorch path == the kernels package's reference, for every stored layout."""
+    from hf_kvint2.kernels import reference_body_attention
+
+    torch.manual_seed(1)
+    layer = OscarLayer(LAYOUTS[layout], 0)
+    for n in (24, 16):
+        layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
+    n_tokens = layer.body_len - 3  # a cut inside a token group
+    q = torch.randn(2, 2 * groups, query_len, 16) @ layer.key_body.rotation
+    kml = torch.randn(2, 2 * groups, query_len)
+    mask = torch.rand(2, 1, query_len, n_tokens) > 0.3
+    args = {"n_tokens": n_tokens, "scaling": 0.3, "key_mean_logits": kml, "mask": mask}
+    ref = reference_body_attention(q, layer.key_body, layer.value_body, **args)
+    blocked = attention.body_attention_blocked(q, layer.key_body, layer.value_body, block_tokens=8, **args)
+    for got in (blocked, *([cpu_kernels.body_attention(q, layer.key_body, layer.value_body, **args)]
+                           if cpu_kernels.available() else [])):
+        torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ memory
+class _LargestAllocation(TorchDispatchMode):
+    """Largest storage (bytes) behind any tensor an aten op produces while active (views count their base)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_fused_decode_never_materializes_the_history(tiny_model, cache, cpu_kernel):
+    """At 4k context, no op of a fused decode step creates a tensor as large as one layer's full-precision K
+    (the portable path does: the control shows the measurement can fail)."""
+    context = 4096
+    ids = torch.randint(3, 128, (1, context + 1))
+    largest = {}
+    for attn in ("oscar", "sdpa"):
+        model = tiny_model("llama", attn=attn)
+        c = CACHES[cache]()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for a in range(0, context, 1024):
+                model(input_ids=ids[:, a:a + 1024], past_key_values=c, use_cache=True)
+            model(input_ids=ids[:, context:context + 1], past_key_values=c, use_cache=True)  # switches to fused
+            with _LargestAllocation() as probe:
+                model(input_ids=ids[:, :1], past_key_values=c, use_cache=True)
+        largest[attn] = probe.largest
+    history = 1 * 2 * (context + 2) * 16 * 4  # bytes of one layer's fp32 K: batch x kv_heads x tokens x head_dim
+    assert largest["sdpa"] >= history
+    assert largest["oscar"] < history / 3, largest
+
+
+# ------------------------------------------------------------------------------------------------ SmolLM2
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["oscar", "scaled"])
+def test_smollm2_fused_matches_portable(smollm2, cache):
+    from hf_kvint2.models import load_smollm2
+
+    model, tok = smollm2
+    fused, _ = load_smollm2(torch.float32, attn_implementation=hf_kvint2.ATTN_IMPLEMENTATION)
+    make = {"oscar": lambda: OscarCache(sink_tokens=8, recent_tokens=16),
+            "scaled": lambda: OscarScaledCache(recent_tokens=32)}[cache]
+    text = importlib.resources.files("hf_kvint2.data").joinpath("emma.txt").read_text()[5000:6000]
+    batch = tok([text[:400], text[400:1000]], return_tensors="pt", padding=True, padding_side="left")
+    ref = _generate(model, make(), batch.input_ids, batch.attention_mask, max_new_tokens=8)
+    out = _generate(fused, make(), batch.input_ids, batch.attention_mask, max_new_tokens=8)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=TOL, rtol=0)
+    assert torch.equal(out.sequences, ref.sequences)
