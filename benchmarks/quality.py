@@ -112,6 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--agreement-prompts", type=int, default=16)
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--bits-tokens", type=int, default=131072, help="context length for the reported bits/element")
+    p.add_argument("--bits-probes", default="4096,8192",
+                   help="two fill lengths whose byte counts are extrapolated to --bits-tokens (exact past the windows)")
     p.add_argument("--skip", default="", help="comma-separated stages to skip: bits,perplexity,plain,agreement,passkey")
     p.add_argument("--quick", action="store_true", help="tiny random model and small sizes (CI smoke test)")
     p.add_argument("--out", default=None, help="output path prefix (default benchmarks/results/quality[_long|_quick])")
@@ -123,7 +125,7 @@ def parse_args(argv=None):
     if args.quick:
         args.windows, args.window, args.prefill, args.chunk = 2, 512, 128, 32
         args.passkey_lengths, args.passkey_depths = "384,512", "0.2,0.8"
-        args.agreement_prompts, args.agreement_tokens, args.bits_tokens = 2, 8, 4096
+        args.agreement_prompts, args.agreement_tokens, args.bits_tokens, args.bits_probes = 2, 8, 4096, "1024,2048"
     if args.out is None:
         args.out = str(RESULTS / ("quality_quick" if args.quick else "quality_long" if args.long else "quality"))
     return args
@@ -200,28 +202,40 @@ def write_outputs(result: dict, out: str) -> None:
     print(f"wrote {prefix.with_suffix('.json')}, {prefix.with_suffix('.md')}, {prefix.with_suffix('.png')}")
 
 
-def merge_previous(result: dict, out: str) -> dict:
-    """Keep the rows of an earlier run with the same protocol that this run did not measure."""
+STAGE_FIELDS = {"bits": ("bits_tokens",), "perplexity": ("windows", "window", "prefill", "chunk", "scored_tokens"),
+                "agreement": ("agreement_prompts", "agreement_tokens"),
+                "passkey": ("passkey_lengths", "passkey_depths", "passkey_haystack")}
+
+
+def merge_previous(result: dict, out: str, stages: set[str]) -> dict:
+    """Merge this run into the earlier <out>.json: rows and stages this run measured replace the earlier ones,
+    the rest is kept. Stages measured in both runs must use the same protocol."""
     path = Path(out).with_suffix(".json")
     if not path.exists():
         return result
     old = json.loads(path.read_text())
-    same = {k: v for k, v in old["protocol"].items() if k != "scored_tokens"} == \
-        {k: v for k, v in result["protocol"].items() if k != "scored_tokens"} and old["model"] == result["model"]
-    if not same:
-        raise ValueError(f"{path} was measured with another protocol or model; use a different --out.")
+    for name in ("model",):
+        if old[name] != result[name]:
+            raise ValueError(f"{path} holds {old[name]!r}, this run {result[name]!r}; use a different --out.")
+    for field in ("dtype", "text"):
+        if old["protocol"][field] != result["protocol"][field]:
+            raise ValueError(f"{path} was measured with {field}={old['protocol'][field]!r}; use a different --out.")
+    protocol = dict(old["protocol"])
+    for stage in stages:
+        for field in STAGE_FIELDS.get(stage, ()):
+            protocol[field] = result["protocol"][field]
+    if "perplexity" in stages and any(r.get("perplexity") is not None for r in old["rows"]):
+        changed = [f for f in STAGE_FIELDS["perplexity"] if old["protocol"].get(f) != result["protocol"][f]]
+        if changed:
+            raise ValueError(f"{path} used another perplexity protocol ({changed}); use a different --out.")
     old_rows = {r["key"]: r for r in old["rows"]}
     new_rows = {r["key"]: r for r in result["rows"]}
-    if "fp" in old_rows and "fp" in new_rows and old_rows["fp"].get("perplexity") and new_rows["fp"].get("perplexity"):
-        rel = abs(old_rows["fp"]["perplexity"] / new_rows["fp"]["perplexity"] - 1)
-        if rel > 1e-6:
-            raise ValueError(f"Full precision differs from the earlier run by {rel:.2e}; the runs are not comparable.")
     for key, row in new_rows.items():
         merged = dict(old_rows.get(key, {}))
         merged.update({k: v for k, v in row.items() if v is not None})
         old_rows[key] = merged
-    order = [r["key"] for r in result["rows"]] + [k for k in old_rows if k not in new_rows]
-    result["rows"] = [old_rows[k] for k in order]
+    result["protocol"] = protocol
+    result["rows"] = list(old_rows.values())
     result["runs"] = old.get("runs", []) + result["runs"]
     result["plain_forward_check"] = result.get("plain_forward_check") or old.get("plain_forward_check")
     return result
@@ -275,7 +289,7 @@ def main(argv=None) -> dict:
         "plain_forward_check": None,
     }
     if args.update:
-        result = merge_previous(result, args.out)
+        result = merge_previous(result, args.out, {"bits", "perplexity", "plain", "agreement", "passkey"} - skip)
     rows = {r["key"]: r for r in result["rows"]}
 
     def save():
@@ -283,10 +297,12 @@ def main(argv=None) -> dict:
         write_outputs(result, args.out)
 
     if "bits" not in skip:
+        probes = tuple(int(x) for x in args.bits_probes.split(","))
         for m in methods:
             # the model dtype, and 16-bit K/V (the usual deployment: full-precision windows in bf16)
-            rows[m.key]["bits_per_element"] = bits_at_length(m, config, args.bits_tokens, dtype=model.dtype)
-            rows[m.key]["bits_per_element_16bit"] = bits_at_length(m, config, args.bits_tokens, dtype=torch.bfloat16)
+            rows[m.key]["bits_per_element"] = bits_at_length(m, config, args.bits_tokens, probes, dtype=model.dtype)
+            rows[m.key]["bits_per_element_16bit"] = bits_at_length(m, config, args.bits_tokens, probes,
+                                                                       dtype=torch.bfloat16)
             print(f"{m.name}: {rows[m.key]['bits_per_element']:.3f} bits/element at {args.bits_tokens} tokens "
                   f"({rows[m.key]['bits_per_element_16bit']:.3f} with 16-bit K/V)")
         save()
