@@ -76,6 +76,7 @@ def test_top1_agreement_with_dynamic_cache_on_emma(smollm2, emma_passages, prefi
     assert per_passage.mean().item() >= floor
 
 
+@pytest.mark.usefixtures("single_thread")  # short sequences: one thread beats two (see conftest)
 @pytest.mark.parametrize("make", [OscarScaledCache, OscarCache], ids=["OscarScaledCache", "OscarCache"])
 def test_windows_covering_every_token_reproduce_dynamic_cache(smollm2, emma_passages, make):
     model, _ = smollm2
