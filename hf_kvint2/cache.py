@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from .distributed import resolve_shard, warn_if_undetectable
 from . import hub
+from .distributed import resolve_shard, warn_if_undetectable
 from .layers import OscarLayer
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
 
@@ -216,7 +216,6 @@ class OscarCache(OscarCacheBase):
                 for idx, mean in enumerate(seq or ()):
                     if mean is not None:
                         self.shard.head_slice(mean.shape[0], f"{name}[{idx}] of the calibration")
-
 
     def __repr__(self):
         calibrated = self.k_rotations is not None
