@@ -20,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
+from .hub import SMOLLM2_ARTIFACT_ID
 from .models import load_smollm2
 
 # Newer transformers 5.x rename generate's `past_key_values` to `cache` and warn; 5.17 knows only the old name.
@@ -29,9 +30,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def make_oscar_cache(model) -> OscarCache:
-    """The OscarCache the demo runs. Uncalibrated (normalised Hadamard rotations, default clips) until a calibration
-    artifact for SmolLM2 ships with the package; switch to the calibrated cache here and nowhere else."""
-    return OscarCache()
+    """The OscarCache the demo runs: the calibration for SmolLM2 shipped inside the package (fitted on Pride and
+    Prejudice; loads offline), validated against the model's config."""
+    return OscarCache.from_pretrained(SMOLLM2_ARTIFACT_ID, config=model.config)
 
 
 def austen_context(tokenizer, context_tokens: int) -> torch.Tensor:
