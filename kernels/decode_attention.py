@@ -58,6 +58,18 @@ def _codes(bytes_tile, sub: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _token_scale_lo(s_ptr, l_ptr, st, n_ptr, tok, tok_ok, HAS_NORM: tl.constexpr):
+    """Per-token (scale, lo) of a one-group-per-token layout, with the token norm folded in."""
+    sc = tl.load(s_ptr + tok * st, mask=tok_ok, other=0.0).to(tl.float32)
+    lo = tl.load(l_ptr + tok * st, mask=tok_ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        nrm = tl.load(n_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
+        sc *= nrm
+        lo *= nrm
+    return sc, lo
+
+
+@triton.jit
 def _key_scores(q0, q1, q2, q3, q_sum, kb, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
                 CHANNEL: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
                 DOT_DTYPE: tl.constexpr):
@@ -68,12 +80,7 @@ def _key_scores(q0, q1, q2, q3, q_sum, kb, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok
         qk += _mm(q1, tl.trans(_codes(kb, 1, DOT_DTYPE)), DOT_DTYPE)
         qk += _mm(q2, tl.trans(_codes(kb, 2, DOT_DTYPE)), DOT_DTYPE)
         qk += _mm(q3, tl.trans(_codes(kb, 3, DOT_DTYPE)), DOT_DTYPE)
-        sc = tl.load(ks_ptr + tok * kst, mask=tok_ok, other=0.0).to(tl.float32)
-        lo = tl.load(kl_ptr + tok * kst, mask=tok_ok, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            nrm = tl.load(kn_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
-            sc *= nrm
-            lo *= nrm
+        sc, lo = _token_scale_lo(ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, HAS_NORM)
         return qk * sc[None, :] + q_sum[:, None] * lo[None, :]
     else:
         qk = _mm(q0, tl.trans(_dequant_subtile(kb, 0, ks_ptr, kl_ptr, kst, kn_ptr, tok, tok_ok, j, j_ok,
@@ -94,12 +101,7 @@ def _value_sums(p, vb, sub: tl.constexpr, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_
     """p @ v for channels 4j+sub: [BLOCK_M, BLOCK_D4]."""
     if not CHANNEL and GROUP >= D:
         # One (scale, lo) per token: p @ v = (p * scale) @ code + sum_t p * lo.
-        sc = tl.load(vs_ptr + tok * vst, mask=tok_ok, other=0.0).to(tl.float32)
-        lo = tl.load(vl_ptr + tok * vst, mask=tok_ok, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            nrm = tl.load(vn_ptr + tok, mask=tok_ok, other=0.0).to(tl.float32)
-            sc *= nrm
-            lo *= nrm
+        sc, lo = _token_scale_lo(vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, HAS_NORM)
         return _mm(p * sc[None, :], _codes(vb, sub, DOT_DTYPE), DOT_DTYPE) + tl.sum(p * lo[None, :], axis=1)[:, None]
     else:
         return _mm(p, _dequant_subtile(vb, sub, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_ok, j, j_ok, CHANNEL, GROUP, D,
