@@ -221,8 +221,9 @@ class OscarLayer(CacheLayerMixin):
             return
         self.key_body.append(self.recent_k[:, :, :n])
         self.value_body.append(self.recent_v[:, :, :n])
-        self.recent_k = self.recent_k[:, :, n:]
-        self.recent_v = self.recent_v[:, :, n:]
+        # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
+        self.recent_k = self.recent_k[:, :, n:].clone()
+        self.recent_v = self.recent_v[:, :, n:].clone()
         self.body_len += n
 
     def dequantized_body(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -201,3 +201,24 @@ def test_fp16_scale_overflow_in_a_cache_names_the_layer_and_rejects_the_update(m
     wide.update(k, v, 0)
     keys, values = wide.update(k[:, :, :16], big, 0)
     assert torch.isfinite(values).all() and wide.get_seq_length() == 40
+
+
+@pytest.mark.parametrize("make", [lambda: OscarScaledCache(recent_tokens=16, group_size=8),
+                                  lambda: OscarCache(sink_tokens=4, recent_tokens=16)])
+def test_memory_held_after_prefill_and_decode_stays_near_the_data(make):
+    """A prefill's full-precision chunk must not stay alive behind the recent window (a slice of it would keep
+    all of it), and the body's growable buffers must not hold far more than their rows."""
+    g = torch.Generator().manual_seed(0)
+    cache = make()
+    k, v = torch.randn(2, 2, 1000, 16, generator=g), torch.randn(2, 2, 1000, 16, generator=g)
+    cache.update(k, v, 0)
+    layer = cache.layers[0]
+    for t in (layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    for _ in range(300):  # decode appends grow the body buffers step by step
+        cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
+    report = cache.memory_report()["total"]
+    for t in (layer.recent_k, layer.recent_v):
+        assert t.untyped_storage().nbytes() <= 2 * t.numel() * t.element_size()
+    body = report["codes"] + report["scales"] + report["norms"]
+    assert report["allocated"] - report["full_precision"] <= 1.25 * body + 6 * 256 * 2 * 2 * 16
