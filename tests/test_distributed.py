@@ -149,9 +149,15 @@ def test_tp_calibration_matches_single_process(runs):
             {k: v for k, v in ref_info["calibration"].items() if k != "wrote"}
         assert sorted(k for k in tensors if k.startswith("calib.")) == names
         for name in names:
-            # float64 statistics of float32 activations that TP's all-reduce order changes in the last bits
-            torch.testing.assert_close(tensors[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
             assert torch.equal(tensors[name], ranks[0][0][name]), f"{name}: ranks disagree"
+            if name.endswith(".0"):
+                # Layer 0 sees the same activations under TP (q/k/v are column-sharded: no reduction): gathering
+                # the per-head statistics is exact, so the artifact is bit-identical to the single process.
+                assert torch.equal(tensors[name], ref[name]), f"{name}: TP gather is not exact"
+            else:
+                # Later layers see activations after layer 0's row-parallel all-reduce (o_proj, down_proj), which
+                # sums in another order: their float32 inputs differ in the last bits (measured: 5e-7 on rotations).
+                torch.testing.assert_close(tensors[name], ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_tp_bad_setups_raise_clear_errors(runs):
