@@ -62,14 +62,18 @@ def runs(tmp_path_factory):
     return reference, ranks
 
 
+def assert_ranks_match(runs, name: str, tol: float) -> None:
+    """Every rank's tensor ``name`` is within ``tol`` (max abs) of the single-process one."""
+    (ref, _), ranks = runs
+    for rank, (tensors, _) in enumerate(ranks):
+        err = (tensors[name] - ref[name]).abs().max().item()
+        assert err <= tol, f"{name}: rank {rank} differs from one process by {err:.2e} (> {tol:g})"
+
+
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp_without_quantization_matches_single_process(runs, model, kind):
-    (ref, _), ranks = runs
-    tag = f"{model}.{kind}.exact"
-    for tensors, _ in ranks:
-        err = (tensors[f"{tag}.logits"] - ref[f"{tag}.logits"]).abs().max().item()
-        assert err <= 1e-5, f"{tag}: TP logits differ from one process by {err:.2e}"
+    assert_ranks_match(runs, f"{model}.{kind}.exact.logits", 1e-5)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -78,9 +82,8 @@ def test_tp_quantized_matches_single_process(runs, model, kind):
     (ref, _), ranks = runs
     tag = f"{model}.{kind}.quant"
     assert ref[f"{tag}.logits"].shape[0] == dist_worker.PROMPT_TOKENS + dist_worker.STEPS
+    assert_ranks_match(runs, f"{tag}.logits", 1e-3)  # teacher-forced
     for rank, (tensors, _) in enumerate(ranks):
-        err = (tensors[f"{tag}.logits"] - ref[f"{tag}.logits"]).abs().max().item()
-        assert err <= 1e-3, f"{tag}: TP teacher-forced logits differ from one process by {err:.2e} on rank {rank}"
         # Each rank stores exactly its heads of the single-process body (codes may flip only where the last bits
         # of the hidden states move a value across a rounding boundary).
         for name in [k for k in ref if k.startswith(f"{tag}.body_")]:
@@ -93,11 +96,9 @@ def test_tp_quantized_matches_single_process(runs, model, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp_fused_oscar_attention_matches_single_process(runs, kind):
-    (ref, _), ranks = runs
+    (ref, _), _ranks = runs
     tag = f"llama.{kind}.quant_fused.logits"
-    for rank, (tensors, _) in enumerate(ranks):
-        err = (tensors[tag] - ref[tag]).abs().max().item()
-        assert err <= 1e-3, f"{tag}: TP logits differ from one process by {err:.2e} on rank {rank}"
+    assert_ranks_match(runs, tag, 1e-3)
     # and the fused path computes what the portable path computes
     assert (ref[tag] - ref[f"llama.{kind}.quant.logits"]).abs().max().item() <= 1e-3
 
