@@ -5,6 +5,7 @@ from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
 from .quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
+from .static_cache import StaticOscarCache, StaticOscarLayer
 
 _register_attention()  # makes attn_implementation="oscar" available to transformers
 
@@ -15,6 +16,8 @@ __all__ = [
     "OscarScaledCache",
     "OscarCacheBase",
     "OscarLayer",
+    "StaticOscarCache",
+    "StaticOscarLayer",
     "ATTN_IMPLEMENTATION",
     "GroupLayout",
     "LayerRecipe",

@@ -217,12 +217,13 @@ def _dequantize_rotated_block(stream, t0: int, t1: int) -> torch.Tensor:
 
 
 def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None,
-                           mask=None, block_tokens: int = BODY_BLOCK_TOKENS):
+                           mask=None, block_tokens: int = BODY_BLOCK_TOKENS, dequantize_block=None):
     """PyTorch reference of the body partial (same contract as ``hf_kvint2.kernels.body_attention``).
 
     Dequantizes ``block_tokens`` body tokens at a time (rotated space) and merges blocks by online softmax, so no
     full-precision copy of the body exists. q_rot: [B, Hq, Lq, D] (``q @ R_K``); key_mean_logits: ``q.mu_K``
-    [B, Hq, Lq] or None; mask: bool/additive, broadcastable to [B, 1, Lq, n_tokens].
+    [B, Hq, Lq] or None; mask: bool/additive, broadcastable to [B, 1, Lq, n_tokens]. ``dequantize_block(stream,
+    t0, t1)`` replaces :func:`_dequantize_rotated_block` (the static caches pass an ONNX-exportable one).
     Returns ``(out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``.
     """
     b, hq, lq, d = q_rot.shape
@@ -237,9 +238,10 @@ def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scalin
     m = torch.full((b, hkv, g, lq, 1), float("-inf"), device=q_rot.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(b, hkv, g, lq, d, device=q_rot.device)
+    dequantize_block = dequantize_block or _dequantize_rotated_block
     for t0 in range(0, n, block):
         t1 = min(n, t0 + block)
-        k = _dequantize_rotated_block(key_body, t0, t1)
+        k = dequantize_block(key_body, t0, t1)
         s = q5 @ k.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, g, Lq, t]
         if bias is not None:
             s = s + bias
@@ -249,7 +251,7 @@ def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scalin
         m_ref = _finite_or_zero(m_new)
         p = torch.exp(s - m_ref)
         alpha = torch.exp(m - m_ref)
-        v = _dequantize_rotated_block(value_body, t0, t1)
+        v = dequantize_block(value_body, t0, t1)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + p @ v.unsqueeze(2)
         m = m_new
@@ -326,6 +328,12 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function ``"oscar"``: fused INT2 attention on an Oscar cache, SDPA otherwise."""
+    # Static caches (hf_kvint2.static_cache): a layer bound to this module by hf_kvint2.export (key/value are the
+    # step's chunk; the traceable route for torch.export / torch.compile), or an eager step behind DeferredKV.
+    static = getattr(module, "oscar_static_layer", None)
+    if static is not None or (isinstance(key, DeferredKV) and hasattr(key.step, "attend")):
+        return _static_attention_forward(module, static, query, key, value, attention_mask, dropout, scaling,
+                                         **kwargs)
     if not isinstance(key, DeferredKV):
         last = _last_update
         if last is not None and last[1]() is key and last[0]() is not None:
@@ -347,6 +355,30 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         scaling = query.shape[-1] ** -0.5
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = fused_step_attention(query, step, attention_mask, scaling, causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _static_attention_forward(module, bound, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    unsupported = [name for name in ("softcap", "position_bias", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if dropout > 0:
+        unsupported.append("dropout")
+    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if bound is None:
+        step = key.step
+        if unsupported or per_head_mask:  # a feature only SDPA has: SDPA on the portable view
+            k, v = step.materialize()
+            out = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
+                                         **kwargs)
+            step._full = None
+            return out
+        out = step.attend(query, attention_mask, scaling)
+    else:
+        if unsupported or per_head_mask:
+            raise ValueError(f"The static Oscar attention does not support {unsupported or 'per-head masks'}; "
+                             "export this model with transformers' StaticCache instead.")
+        out = bound.attend(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
