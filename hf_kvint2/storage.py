@@ -11,12 +11,12 @@ class TokenBuffer:
     """A tensor that grows along ``dim``; ``rows`` of its capacity are in use.
 
     One row may stand for several tokens (per-channel scales cover ``group_size`` tokens per row); the owner
-    tracks that. Capacity grows by a quarter (rounded up to ``GRANULE`` rows) when full: appending one token per
-    decode step still costs O(1) on average, and at most a fifth of the buffer is unused (doubling would leave up
-    to half of it empty, as much again as the INT2 data itself).
+    tracks that. Capacity grows by an eighth (rounded up to ``GRANULE`` rows) when full: appending one token per
+    decode step still costs O(1) on average (a copy of INT2 data every capacity/8 steps), and at most a ninth of
+    the buffer is unused. Doubling would leave up to half of it empty: as much again as the INT2 data.
     """
 
-    GROWTH = 1.25
+    GROWTH = 1.125
     GRANULE = 256
 
     def __init__(self, dim: int):
