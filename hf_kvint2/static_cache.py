@@ -665,9 +665,13 @@ class StaticOscarCache(Cache):
                 raise ValueError(f"Layer {idx} of this model is of type {layer_type!r}; the static Oscar cache supports "
                                  "full-attention layers only. Use OscarCache (dynamic) for this model.")
             layers.append(StaticOscarLayer(recipe_for_layer(idx), max_cache_len, idx, attention_block))
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self.config = config
         super().__init__(layers=layers)
+
+    @property
+    def max_cache_len(self) -> int:  # a read-only property of transformers < 5.24's Cache as well
+        return self._max_cache_len
 
     @classmethod
     def from_cache(cls, cache, config, max_cache_len: int, attention_block: int = ATTENTION_BLOCK_TOKENS):
