@@ -23,9 +23,19 @@ import torch
 
 from hf_kvint2 import OscarCache
 from hf_kvint2.calibration import LAYOUTS, CalibrationData, build_cache, collect_statistics, fit_layers
-from hf_kvint2.evaluation import (CALIBRATION_TEXT, EVAL_TEXT, ByteTokenizer, CacheMethod, bits_at_length,
-                                  chunked_perplexity, encode, engine_cache, eval_windows, load_text,
-                                  naive_int2_recipe)
+from hf_kvint2.evaluation import (
+    CALIBRATION_TEXT,
+    EVAL_TEXT,
+    ByteTokenizer,
+    CacheMethod,
+    bits_at_length,
+    chunked_perplexity,
+    encode,
+    engine_cache,
+    eval_windows,
+    load_text,
+    naive_int2_recipe,
+)
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -223,7 +223,7 @@ class OscarCache(OscarCacheBase):
 
     @classmethod
     def calibrate(cls, model, tokenizer, texts, num_tokens: int = 30000, window: int = 2048,
-                  **kwargs) -> "OscarCache":
+                  **kwargs) -> OscarCache:
         """Calibrate OSCAR for ``model`` on ``texts`` (SPEC 3) and return a ready cache: spectral rotations,
         means, clip ratios and a per-layer layout chosen by measured attention-output error. Two streaming passes
         over ``num_tokens`` tokens in windows of ``window``; see :func:`hf_kvint2.calibration.calibrate` for the
@@ -236,7 +236,7 @@ class OscarCache(OscarCacheBase):
     def from_rotation_zoo(cls, path_or_repo, *, subfolder: str | None = None, revision: str | None = None,
                           cache_dir=None, token=None, local_files_only: bool = False,
                           k_method: str = hub.ZOO_K_METHOD, v_method: str = hub.ZOO_V_METHOD, config=None,
-                          **overrides) -> "OscarCache":
+                          **overrides) -> OscarCache:
         """Import rotations from the reference OSCAR RotationZoo (a local folder or a Hub repo + ``subfolder``):
         ``k_rotation_<k_method>.pt`` and ``v_rotation_<v_method>.pt``, each ``{"format_version", "objective",
         "layers": {i: {"rotation" [d, d], "eigenvalues" [d]}}}``. Read with ``torch.load(weights_only=True)``

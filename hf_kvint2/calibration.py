@@ -220,7 +220,7 @@ class CalibrationData:
         save_file(tensors, str(path), metadata={"calibration_data": json.dumps(meta)})
 
     @classmethod
-    def load(cls, path) -> "CalibrationData":
+    def load(cls, path) -> CalibrationData:
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
@@ -292,7 +292,7 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
         raise ValueError(f"value_pass must be 'spill' (keys/values to a temporary file) or 'recompute' (run the "
                          f"model twice), got {value_pass!r}.")
 
-    num_layers, q_heads, kv_heads, head_dim = _model_shape(model)
+    num_layers, _q_heads, kv_heads, head_dim = _model_shape(model)
     # Tensor parallelism: this rank captures its slice of the query and KV heads; the per-head statistics are
     # gathered at the end, so that every rank fits the artifact one process would fit.
     shard = resolve_shard(model.config, tp_group(model))
@@ -376,7 +376,7 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
                     state["held"] = None
                     bar.update(len(w))
     info = {
-        "num_tokens": int(len(ids)),
+        "num_tokens": len(ids),
         "statistics_tokens": int(stat_tokens),
         "held_out_tokens": int(held_tokens),
         "window": window,
@@ -650,8 +650,8 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
     info, report = cache.calibration_info, getattr(cache, "calibration_report", {}) or {}
     lines = [
         f"OSCAR calibration of {info.get('base_model')} on {info.get('data')}",
-        f"  tokens: {info.get('num_tokens')} ({info.get('statistics_tokens')} for statistics, "
-        f"{info.get('held_out_tokens')} held back for fitting), window {info.get('window')}",
+        (f"  tokens: {info.get('num_tokens')} ({info.get('statistics_tokens')} for statistics, "
+         f"{info.get('held_out_tokens')} held back for fitting), window {info.get('window')}"),
     ]
     if report:
         lines.append(f"  time: {report['seconds']:.1f} s (capture {report['seconds_capture']:.1f} s, fitting "
@@ -662,7 +662,7 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
     for i, pair in enumerate(cache.layer_layouts):
         kname, vname = cache.layout_names[i].removeprefix("key=").split(" value=")
         ke, ve = errors.get("key", [None] * (i + 1))[i], errors.get("value", [None] * (i + 1))[i]
-        fmt = lambda e: "-" if e is None or math.isnan(e) else f"{e:.2e}"  # noqa: E731
+        fmt = lambda e: "-" if e is None or math.isnan(e) else f"{e:.2e}"
         lines.append(f"  {i:>5}  {kname:<16}{_clip_str(pair[0].clip):>7}{fmt(ke):>10}  {vname:<16}"
                      f"{_clip_str(pair[1].clip):>7}{fmt(ve):>10}")
     if artifact_path is not None:

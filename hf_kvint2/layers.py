@@ -16,8 +16,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from . import kernels
-from .distributed import TensorParallelShard
 from .attention import LayerStep
+from .distributed import TensorParallelShard
 from .quant import QuantizedGroups, dequantize_int2, quantize_int2
 from .recipes import GroupLayout, LayerRecipe
 from .storage import TokenBuffer

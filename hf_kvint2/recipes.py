@@ -71,7 +71,7 @@ class LayerRecipe:
         blocks = [lay.group_size for lay in (self.key, self.value) if lay.axis == "channel"]
         return math.lcm(*blocks) if blocks else 1
 
-    def with_overrides(self, **kw) -> "LayerRecipe":
+    def with_overrides(self, **kw) -> LayerRecipe:
         return replace(self, **kw)
 
 

@@ -91,7 +91,7 @@ def row_quantile(a: torch.Tensor, ratio: float) -> torch.Tensor:
     d = a.shape[-1]
     srt = a.sort(dim=-1).values
     pos = ratio * (d - 1)
-    i0 = int(math.floor(pos))
+    i0 = math.floor(pos)
     i1 = min(i0 + 1, d - 1)
     frac = pos - i0
     return srt[..., i0 : i0 + 1] * (1 - frac) + srt[..., i1 : i1 + 1] * frac

@@ -33,7 +33,7 @@ def tiny_config(arch: str, **overrides):
     return cls(**kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiny_model(arch: str, dtype: torch.dtype, attn: str):
     from transformers import AutoModelForCausalLM
 

@@ -8,7 +8,6 @@ from conftest import TINY_ARCHS, TINY_VOCAB, tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_kvint2 import OscarCache, OscarLayer, OscarScaledCache
-from hf_kvint2.recipes import oscar_recipe
 
 KINDS = ("scaled", "oscar")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

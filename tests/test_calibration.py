@@ -12,8 +12,15 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hf_kvint2 import OscarCache
-from hf_kvint2.calibration import (HeldOutLayer, LayerErrorProbe, LayerStatistics, capture_attention,
-                                   collect_statistics, fit_layer, tokenize_texts)
+from hf_kvint2.calibration import (
+    HeldOutLayer,
+    LayerErrorProbe,
+    LayerStatistics,
+    capture_attention,
+    collect_statistics,
+    fit_layer,
+    tokenize_texts,
+)
 from hf_kvint2.data import __file__ as _data_init
 from hf_kvint2.transforms import check_orthogonal, hadamard_matrix
 

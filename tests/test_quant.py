@@ -199,7 +199,7 @@ def test_fp16_scale_overflow_in_a_cache_names_the_layer_and_rejects_the_update(m
     assert cache.get_seq_length() == 24 and after == held  # nothing half-written
     wide = make(scale_dtype=torch.bfloat16)
     wide.update(k, v, 0)
-    keys, values = wide.update(k[:, :, :16], big, 0)
+    _keys, values = wide.update(k[:, :, :16], big, 0)
     assert torch.isfinite(values).all() and wide.get_seq_length() == 40
 
 

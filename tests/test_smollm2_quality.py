@@ -65,7 +65,7 @@ def test_top1_agreement_with_dynamic_cache_on_emma(smollm2, emma_passages, prefi
     DynamicCache on the 256 positions, averaged over 4 passages. Measured at commit time: 0.86 (OScaR) and
     0.80 (OSCAR with Hadamard rotations); per-token INT2 without rotation or clipping reaches about 0.47."""
     model, _ = smollm2
-    kv, first_prediction, reference = prefilled
+    kv, _first_prediction, reference = prefilled
     cache = _prefill_from(kv, make())
     preds = _continue_in_chunks(model, emma_passages, cache)
     # position PREFILL's prediction comes from the prefill, identical for every cache: it counts as agreement

@@ -129,9 +129,9 @@ def test_non_power_of_two_head_dim_works_with_a_hadamard_block(d, block):
         OscarCache(k_rotations=[torch.eye(d)], v_rotations=[torch.eye(d)], sink_tokens=4, recent_tokens=8),
     ]
     for cache in caches:
-        keys, values = cache.update(k, v, 0)
+        keys, _values = cache.update(k, v, 0)
         torch.testing.assert_close(keys, k)  # the current chunk is attended at full precision
-        keys, values = cache.update(k[:, :, :1], v[:, :, :1], 0)
+        keys, _values = cache.update(k[:, :, :1], v[:, :, :1], 0)
         assert keys.shape == (2, 2, 41, d) and cache.layers[0].body_len > 0
         rel = (keys[:, :, :40] - k).norm() / k.norm()
         assert rel < 0.6, f"{cache}: relative error {rel:.3f}"  # INT2 of Gaussian data: about 0.3-0.45
