@@ -56,7 +56,7 @@ def _compare(step_fn, module, ids, start, states, eager):
     return synced, free
 
 
-def run_cache(name, model, make_cache, ids, args):
+def run_cache(name, model, make_cache, ids, args, save=lambda row: None):
     n_prompt, steps = args.prompt_tokens, args.steps
     max_len = n_prompt + steps + args.margin
     row = {"cache": name, "max_cache_len": max_len, "attention_block": args.attention_block}
@@ -84,6 +84,7 @@ def run_cache(name, model, make_cache, ids, args):
     synced, free = _compare(lambda i, p: step(input_ids=i, cache_position=p), module, ids, n_prompt, states, eager)
     row["exported"] = {"max_abs_diff_synced": synced, "max_abs_diff_free": free}
     print(name, "exported", row["exported"], flush=True)
+    save(row)
 
     if "generate" not in args.skip:
         prompt = ids[:, : args.generate_prompt]
@@ -92,6 +93,7 @@ def run_cache(name, model, make_cache, ids, args):
         row["greedy_loop"] = {"prompt_tokens": prompt.shape[1], "new_tokens": tokens.shape[1] - prompt.shape[1],
                               "seconds": round(time.perf_counter() - t0, 1)}
         print(name, "greedy loop", row["greedy_loop"], flush=True)
+        save(row)
 
     if "compile" not in args.skip:
         module.bind()
@@ -104,6 +106,7 @@ def run_cache(name, model, make_cache, ids, args):
         synced, free = _compare(compiled, module, ids, n_prompt, states, eager)
         row["compiled"] = {"max_abs_diff_synced": synced, "max_abs_diff_free": free}
         print(name, "compiled", row["compiled"], row["compile_first_call_s"], flush=True)
+        save(row)
     module.unbind()
 
     if "onnx" not in args.skip:
@@ -112,7 +115,7 @@ def run_cache(name, model, make_cache, ids, args):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             spec = export_onnx(model, Path(tmp) / "decoder.onnx", make_cache(), max_cache_len=max_len,
-                               attention_block=args.attention_block)
+                               attention_block=args.attention_block, optimize="onnx-optimize" not in args.skip)
             row["onnx_export_s"] = round(time.perf_counter() - t0, 1)
             row["onnx_file_mb"] = round(Path(spec.path).stat().st_size / 2**20, 1)
             options = ort.SessionOptions()
@@ -156,7 +159,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     parser.add_argument("--caches", default=None, help="comma-separated (default: all for the model)")
-    parser.add_argument("--skip", default="", help="comma-separated: compile, onnx, generate")
+    parser.add_argument("--skip", default="", help="comma-separated: compile, onnx, onnx-optimize, generate")
     parser.add_argument("--output", default=None, help="default benchmarks/results/export_<model>.json")
     args = parser.parse_args()
     args.output = args.output or str(Path(__file__).parent / "results" / f"export_{args.model}.json")
@@ -175,12 +178,18 @@ def main():
                   "oscar_scaled": lambda: OscarScaledCache()}
         name = "SmolLM2-135M-Instruct"
     caches = args.caches or ",".join(makers)
-    rows = [run_cache(c, model, makers[c], ids, args) for c in caches.split(",")]
+    rows = []
     result = {"model": name, "dtype": "float32", "prompt_tokens": args.prompt_tokens,
               "steps": args.steps, "threads": args.threads, "torch": torch.__version__,
               "transformers": __import__("transformers").__version__, "machine": platform.machine(),
               "tolerance": 1e-4, "results": rows}
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+
+    def save(row=None):  # after every stage: a long run that is stopped keeps what it measured
+        Path(args.output).write_text(json.dumps(dict(result, results=rows + ([row] if row else [])), indent=2) + "\n")
+
+    for c in caches.split(","):
+        rows.append(run_cache(c, model, makers[c], ids, args, save))
+        save()
     print(json.dumps(result, indent=2))
 
 

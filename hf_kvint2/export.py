@@ -291,11 +291,13 @@ class OnnxDecoderSpec:
 
 
 def export_onnx(model, path, cache=None, *, max_cache_len: int, batch_size: int = 1,
-                attention_block: int = ATTENTION_BLOCK_TOKENS, opset_version: int | None = None) -> OnnxDecoderSpec:
+                attention_block: int = ATTENTION_BLOCK_TOKENS, opset_version: int | None = None,
+                optimize: bool = True) -> OnnxDecoderSpec:
     """Write the decode step as an ONNX graph (``torch.onnx.export(..., dynamo=True)``, pip install
     ``hf-kvint2[export]``). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state
     ``layers.<i>.<name>``; outputs: ``logits [B, 1, vocab]`` and ``present.layers.<i>.<name>`` (the new state,
-    same shapes). A sequence starts from zero state at position 0."""
+    same shapes). A sequence starts from zero state at position 0. ``optimize``: run onnxscript's graph optimizer
+    (minutes for a 30-layer model on a small CPU; False writes the graph as exported)."""
     module = OscarOnnxDecoder(model, cache, max_cache_len=max_cache_len, batch_size=batch_size, device="cpu",
                               attention_block=attention_block)
     ids, pos = _example_inputs(module)
@@ -308,7 +310,7 @@ def export_onnx(model, path, cache=None, *, max_cache_len: int, batch_size: int 
     try:
         with torch.no_grad():
             program = torch.onnx.export(module, (ids, pos, *state), dynamo=True, input_names=input_names,
-                                        output_names=output_names, optimize=True, verbose=False, **kwargs)
+                                        output_names=output_names, optimize=optimize, verbose=False, **kwargs)
             logits = module(ids, pos, *state)[0]
     finally:
         module.unbind()
