@@ -162,6 +162,10 @@ def main():
     parser.add_argument("--skip", default="", help="comma-separated: compile, onnx, onnx-optimize, generate")
     parser.add_argument("--output", default=None, help="default benchmarks/results/export_<model>.json")
     args = parser.parse_args()
+    args.skip = {s for s in args.skip.split(",") if s}  # whole names: "onnx-optimize" must not skip "onnx"
+    unknown = args.skip - {"compile", "onnx", "onnx-optimize", "generate"}
+    if unknown:
+        parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; use compile, onnx, onnx-optimize, generate")
     args.output = args.output or str(Path(__file__).parent / "results" / f"export_{args.model}.json")
     torch.set_num_threads(args.threads)
     if args.model == "tiny":  # small windows so that 20 prompt tokens already reach the INT2 body

@@ -217,13 +217,13 @@ def _dequantize_rotated_block(stream, t0: int, t1: int) -> torch.Tensor:
 
 
 def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None,
-                           mask=None, block_tokens: int = BODY_BLOCK_TOKENS, dequantize_block=None):
+                           mask=None, block_tokens: int = BODY_BLOCK_TOKENS):
     """PyTorch reference of the body partial (same contract as ``hf_kvint2.kernels.body_attention``).
 
     Dequantizes ``block_tokens`` body tokens at a time (rotated space) and merges blocks by online softmax, so no
     full-precision copy of the body exists. q_rot: [B, Hq, Lq, D] (``q @ R_K``); key_mean_logits: ``q.mu_K``
-    [B, Hq, Lq] or None; mask: bool/additive, broadcastable to [B, 1, Lq, n_tokens]. ``dequantize_block(stream,
-    t0, t1)`` replaces :func:`_dequantize_rotated_block` (the static caches pass an ONNX-exportable one).
+    [B, Hq, Lq] or None; mask: bool/additive, broadcastable to [B, 1, Lq, n_tokens]. Traceable with static
+    ``n_tokens`` (the static caches export it).
     Returns ``(out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``.
     """
     b, hq, lq, d = q_rot.shape
@@ -238,10 +238,9 @@ def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scalin
     m = torch.full((b, hkv, g, lq, 1), float("-inf"), device=q_rot.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(b, hkv, g, lq, d, device=q_rot.device)
-    dequantize_block = dequantize_block or _dequantize_rotated_block
     for t0 in range(0, n, block):
         t1 = min(n, t0 + block)
-        k = dequantize_block(key_body, t0, t1)
+        k = _dequantize_rotated_block(key_body, t0, t1)
         s = q5 @ k.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, g, Lq, t]
         if bias is not None:
             s = s + bias
@@ -251,7 +250,7 @@ def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scalin
         m_ref = _finite_or_zero(m_new)
         p = torch.exp(s - m_ref)
         alpha = torch.exp(m - m_ref)
-        v = dequantize_block(value_body, t0, t1)
+        v = _dequantize_rotated_block(value_body, t0, t1)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + p @ v.unsqueeze(2)
         m = m_new

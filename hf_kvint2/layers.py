@@ -18,7 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import kernels
 from .attention import LayerStep
 from .distributed import TensorParallelShard
-from .quant import QuantizedGroups, dequantize_int2, quantize_int2
+from .quant import QuantizedGroups, as_stored, dequantize_int2, quantize_int2
 from .recipes import GroupLayout, LayerRecipe
 from .storage import TokenBuffer
 from .transforms import block_hadamard_matrix, check_orthogonal, clip_rows
@@ -55,16 +55,20 @@ class QuantizedStream:
             if self.shard is not None:
                 self.shard.all_reduce_sum(squared)
             norm = squared.sqrt().to(self.scale_dtype)
-            norm = torch.where(norm.float() > 0, norm, torch.ones_like(norm))
-            xr = xr / norm.float()[:, None, :, None]
+            norm = torch.where(as_stored(norm) > 0, norm, torch.ones_like(norm))
+            xr = xr / as_stored(norm)[:, None, :, None]
         return clip_rows(xr, self.layout.clip), norm
+
+    def quantize(self, x: torch.Tensor) -> tuple[QuantizedGroups, torch.Tensor | None]:
+        """What the stream stores for original-space x [B, H, n, D]: INT2 groups and norms (or None)."""
+        xt, norm = self.transform(x)
+        return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype), norm
 
     def append(self, x: torch.Tensor) -> None:
         if self.shard is None and kernels.kernels_enabled_for(x):  # CUDA: fused Triton transform + pack
             q, norm = kernels.quantize_stream(self, x)
         else:
-            xt, norm = self.transform(x)
-            q = quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype)
+            q, norm = self.quantize(x)
         self.codes.append(q.codes)
         self.scale.append(q.scale)
         self.lo.append(q.lo)

@@ -8,6 +8,10 @@ Tensors are laid out as transformers caches them, ``[batch, kv_heads, tokens, he
 Codes are always packed along the channel axis: byte ``j`` of a token holds channels ``4j .. 4j+3`` as
 ``c0 | c1 << 2 | c2 << 4 | c3 << 6`` (channel ``4j`` in the two least significant bits). The kernels and the
 exported graphs rely on this order.
+
+The same functions run eagerly and under ``torch.compile`` / ``torch.export`` (the static caches' export path).
+Where a tracer needs another formulation of the same arithmetic, :func:`tracing` picks it here, once, so there is
+a single quantizer; ``tests/test_export.py`` checks the traced results bit for bit against eager.
 """
 
 from __future__ import annotations
@@ -19,6 +23,32 @@ import torch
 AXES = ("token", "channel")
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SHIFTS = (0, 2, 4, 6)
+_BYTE_WEIGHTS = (1, 4, 16, 64)  # 1 << shift: the packing as arithmetic
+
+
+def tracing() -> bool:
+    """True under ``torch.compile`` and ``torch.export`` (which the dynamo ONNX exporter runs)."""
+    return torch.compiler.is_compiling()
+
+
+def _exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.6
+    return bool(is_exporting and is_exporting())
+
+
+def as_stored(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` for a value just rounded to fp16/bf16, such that the rounding is kept under inductor too.
+
+    Inductor elides a float32 -> 16-bit -> float32 cast pair inside a fused kernel
+    (``torch._inductor.config.emulate_precision_casts`` is off by default) and would then choose INT2 codes from
+    the unrounded scale (logits off by ~4e-2 on SmolLM2). A double xor on the integer bits is an identity it cannot
+    see through. ``torch.export`` and ONNX keep casts as written (and ONNX has no bitcast), so only under
+    ``torch.compile`` proper.
+    """
+    if x.dtype in (torch.float16, torch.bfloat16) and tracing() and not _exporting():
+        bits = torch.bitwise_xor(torch.bitwise_xor(x.view(torch.int16), 0x5555), 0x5555)
+        return bits.view(x.dtype).float()
+    return x.float()
 
 
 class QuantizedGroups(NamedTuple):
@@ -33,12 +63,24 @@ def pack_int2(codes: torch.Tensor) -> torch.Tensor:
     """Pack integer codes in ``[0, 3]`` four per byte along the last dimension (which must be a multiple of 4)."""
     if codes.shape[-1] % 4:
         raise ValueError(f"pack_int2 needs a last dimension divisible by 4, got {codes.shape[-1]}.")
+    if tracing():
+        # The ONNX exporter types ``uint8 << int`` as int8, which ONNX Runtime rejects in the ``|``; the weighted
+        # sum c0 + 4 c1 + 16 c2 + 64 c3 is the same byte. (Eagerly it is ~10x slower than the shifts.)
+        c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
+        weights = torch.tensor(_BYTE_WEIGHTS, dtype=torch.int32, device=codes.device)
+        return (c * weights).sum(dim=-1).to(torch.uint8)
     c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
     return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
 
 
 def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int2`: ``[..., n]`` bytes to ``[..., 4n]`` codes (uint8 in ``[0, 3]``)."""
+    """Inverse of :func:`pack_int2`: ``[..., n]`` bytes to ``[..., 4n]`` codes in ``[0, 3]`` (uint8; int32 when
+    traced, where integer division replaces ``>>``/``&`` on uint8, which the ONNX exporter types inconsistently)."""
+    if tracing():
+        p = packed.to(torch.int32).unsqueeze(-1)
+        weights = torch.tensor(_BYTE_WEIGHTS, dtype=torch.int32, device=packed.device)
+        codes = torch.remainder(torch.div(p, weights, rounding_mode="floor"), 4)
+        return codes.reshape(*packed.shape[:-1], packed.shape[-1] * 4)
     parts = [(packed >> s) & 3 for s in _SHIFTS]
     return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
 
@@ -78,8 +120,9 @@ def quantize_int2(
     g, dim = _grouped(xf, axis, group_size)
     lo = g.amin(dim=dim, keepdim=True)
     scale = (g.amax(dim=dim, keepdim=True) - lo) / 3
-    if scale_dtype is torch.float16:
-        # Both the range and the offset must fit in fp16; say so instead of storing inf.
+    if scale_dtype is torch.float16 and not tracing():
+        # Both the range and the offset must fit in fp16; say so instead of storing inf. (A data-dependent ``if``
+        # cannot be traced; exported graphs rely on the eager prefill and the model's range.)
         biggest = torch.maximum(lo.abs().amax(), scale.amax() * 3)
         if biggest > torch.finfo(torch.float16).max:
             raise ValueError(
@@ -88,9 +131,9 @@ def quantize_int2(
             )
     lo_s = lo.to(scale_dtype)
     scale_s = scale.to(scale_dtype)
-    sf = scale_s.float()
+    sf = as_stored(scale_s)
     safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-    codes = torch.where(sf > 0, torch.round((g - lo_s.float()) / safe), torch.zeros_like(g)).clamp_(0, 3)
+    codes = torch.where(sf > 0, torch.round((g - as_stored(lo_s)) / safe), torch.zeros_like(g)).clamp_(0, 3)
     codes = codes.reshape(x.shape)
     return QuantizedGroups(pack_int2(codes), scale_s.squeeze(dim), lo_s.squeeze(dim))
 

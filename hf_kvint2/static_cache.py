@@ -48,16 +48,12 @@ from .attention import (
     warn_portable_path_once,
 )
 from .layers import OscarLayer, QuantizedStream
-from .quant import SCALE_DTYPES, QuantizedGroups, _check_group_shape, _grouped, quantize_int2
+from .quant import SCALE_DTYPES, QuantizedGroups, dequantize_int2
+from .quant import tracing as _tracing
 from .recipes import LayerRecipe
-from .transforms import clip_rows
 
 ATTENTION_BLOCK_TOKENS = 512
 _NEG_INF = float("-inf")
-
-
-def _tracing() -> bool:
-    return torch.compiler.is_compiling()
 
 
 def body_len(tokens_past_sink, recent_tokens: int, block: int):
@@ -67,92 +63,6 @@ def body_len(tokens_past_sink, recent_tokens: int, block: int):
     if isinstance(tokens_past_sink, torch.Tensor):
         return (tokens_past_sink - recent_tokens).clamp(min=0) // block * block
     return max(tokens_past_sink - recent_tokens, 0) // block * block
-
-
-def _as_stored(x: torch.Tensor) -> torch.Tensor:
-    """``x.float()`` for a tensor just rounded to fp16/bf16 - also under inductor, which elides a float32 -> 16-bit
-    -> float32 cast pair inside a fused kernel (``torch._inductor.config.emulate_precision_casts`` is off by
-    default) and would then choose codes from the unrounded scale. A double xor on the integer bits keeps the
-    rounded value. Only under ``torch.compile``: ``torch.export`` / ONNX keep casts as written (and ONNX has no
-    bitcast)."""
-    if x.dtype in (torch.float16, torch.bfloat16) and torch.compiler.is_compiling() \
-            and not torch.compiler.is_exporting():
-        bits = torch.bitwise_xor(torch.bitwise_xor(x.view(torch.int16), 0x5555), 0x5555)
-        return bits.view(x.dtype).float()
-    return x.float()
-
-
-def quantize_int2_traceable(x: torch.Tensor, axis: str, group_size: int,
-                            scale_dtype: torch.dtype = torch.float16) -> QuantizedGroups:
-    """:func:`hf_kvint2.quant.quantize_int2` without its fp16 range check, which needs a data-dependent ``if``
-    that ``torch.export`` cannot trace. Same operations in the same order (a test checks bit equality); eager
-    static layers still run the checked version, so a range error is raised wherever Python runs."""
-    _check_group_shape(x.shape, axis, group_size)
-    g, dim = _grouped(x.float(), axis, group_size)
-    lo = g.amin(dim=dim, keepdim=True)
-    scale = (g.amax(dim=dim, keepdim=True) - lo) / 3
-    lo_s, scale_s = lo.to(scale_dtype), scale.to(scale_dtype)
-    sf = _as_stored(scale_s)
-    safe = torch.where(sf > 0, sf, torch.ones_like(sf))
-    codes = torch.where(sf > 0, torch.round((g - _as_stored(lo_s)) / safe), torch.zeros_like(g)).clamp_(0, 3)
-    return QuantizedGroups(pack_int2_traceable(codes.reshape(x.shape)), scale_s.squeeze(dim), lo_s.squeeze(dim))
-
-
-def pack_int2_traceable(codes: torch.Tensor) -> torch.Tensor:
-    """:func:`hf_kvint2.quant.pack_int2` as a weighted sum (``c0 + 4 c1 + 16 c2 + 64 c3``, the same bytes): the
-    ONNX exporter types ``uint8 << int`` as int8, which ONNX Runtime then rejects in the ``|``."""
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
-    weights = torch.tensor([1, 4, 16, 64], dtype=torch.int32, device=codes.device)
-    return (c * weights).sum(dim=-1).to(torch.uint8)
-
-
-def unpack_int2_traceable(packed: torch.Tensor) -> torch.Tensor:
-    """:func:`hf_kvint2.quant.unpack_int2` with integer division instead of ``>>``/``&`` on uint8 (which the
-    ONNX exporter types inconsistently): the same codes, as int32."""
-    p = packed.to(torch.int32).unsqueeze(-1)
-    divisors = torch.tensor([1, 4, 16, 64], dtype=torch.int32, device=packed.device)
-    return torch.remainder(torch.div(p, divisors, rounding_mode="floor"), 4).reshape(
-        *packed.shape[:-1], packed.shape[-1] * 4)
-
-
-def dequantize_int2_traceable(q: QuantizedGroups, axis: str, group_size: int) -> torch.Tensor:
-    """:func:`hf_kvint2.quant.dequantize_int2` on top of :func:`unpack_int2_traceable` (same formula, same values)."""
-    codes = unpack_int2_traceable(q.codes).float()
-    g, dim = _grouped(codes, axis, group_size)
-    out = g * q.scale.float().unsqueeze(dim) + q.lo.float().unsqueeze(dim)
-    return out.reshape(codes.shape)
-
-
-def _dequantize_rotated_block(stream, t0: int, t1: int) -> torch.Tensor:
-    """Body tokens ``[t0, t1)`` of a static stream in the rotated space (norms applied), fp32 [B, H, t1 - t0, D].
-    ``t0``/``t1`` are multiples of the stream's token group (the attention block is)."""
-    g = stream.group
-    if stream.layout.axis == "token":
-        rows = slice(t0, t1)
-    else:
-        rows = slice(t0 // g, t1 // g)
-    q = QuantizedGroups(stream.codes.view()[:, :, t0:t1], stream.scale.view()[:, :, rows],
-                        stream.lo.view()[:, :, rows])
-    x = dequantize_int2_traceable(q, stream.layout.axis, g)
-    if stream.norm is not None:
-        x = x * stream.norm.view()[:, t0:t1].float()[:, None, :, None]
-    return x
-
-
-def transform_traceable(stream: QuantizedStream, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:meth:`QuantizedStream.transform` (centre, rotate, omni-token scale, clip) with the stored norm read
-    through :func:`_as_stored`, so that inductor divides by the rounded norm as eager does (a test checks bit
-    equality with the dynamic layer's transform). Static caches have no tensor-parallel shard."""
-    xr = x.float()
-    if stream.mean is not None:
-        xr = xr - stream.mean[None, :, None, :]
-    xr = xr @ stream.rotation
-    norm = None
-    if stream.norm is not None:
-        norm = xr.double().square().sum(dim=(1, 3)).sqrt().to(stream.scale_dtype)
-        norm = torch.where(_as_stored(norm) > 0, norm, torch.ones_like(norm))
-        xr = xr / _as_stored(norm)[:, None, :, None]
-    return clip_rows(xr, stream.layout.clip), norm
 
 
 class _View:
@@ -362,11 +272,6 @@ class StaticOscarLayer(CacheLayerMixin):
         end = int(self.cumulative_length)
         return body_len(end - self.sink, self.window, self.block)
 
-    def _quantize(self, stream: QuantizedStream, x: torch.Tensor):
-        xt, norm = transform_traceable(stream, x)
-        quantize = quantize_int2_traceable if _tracing() else quantize_int2  # eager: with the fp16 range check
-        return quantize(xt, stream.layout.axis, stream.group, stream.scale_dtype), norm
-
     def _write_body(self, prefix: str, stream: QuantizedStream, q: QuantizedGroups, norm, start, n: int,
                     flag: torch.Tensor | None = None) -> None:
         """Write ``n`` quantized tokens at body index ``start`` (a multiple of the block); ``flag``: only if set."""
@@ -408,8 +313,8 @@ class StaticOscarLayer(CacheLayerMixin):
         if w == 0:
             src_k = torch.cat([src_k[:, :, :-1], key_states], dim=2)
             src_v = torch.cat([src_v[:, :, :-1], value_states], dim=2)
-        qk, nk = self._quantize(self.key_stream, src_k)
-        qv, nv = self._quantize(self.value_stream, src_v)
+        qk, nk = self.key_stream.quantize(src_k)
+        qv, nv = self.value_stream.quantize(src_v)
         start = (first - s).clamp(0, self.body_capacity - blk)
         if s:
             in_sink = (p < s).reshape(1, 1, 1, 1)
@@ -454,8 +359,8 @@ class StaticOscarLayer(CacheLayerMixin):
                 parts_k.append(key_states[:, :, chunk_pos[0] - p0:chunk_pos[-1] + 1 - p0])
                 parts_v.append(value_states[:, :, chunk_pos[0] - p0:chunk_pos[-1] + 1 - p0])
             src_k, src_v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-            qk, nk = self._quantize(self.key_stream, src_k)  # raises before anything is written
-            qv, nv = self._quantize(self.value_stream, src_v)
+            qk, nk = self.key_stream.quantize(src_k)  # raises before anything is written
+            qv, nv = self.value_stream.quantize(src_v)
             writes.append((qk, nk, qv, nv, b0, b1 - b0))
         if p0 < s:
             n = min(p1, s) - p0
@@ -519,8 +424,7 @@ class StaticOscarLayer(CacheLayerMixin):
         if kb.mean is not None:
             kml = (qf @ kb.mean.repeat_interleave(groups, dim=0).unsqueeze(-1)).squeeze(-1)
         out_rot, lse = body_attention_blocked(q_rot, kview, vview, n_tokens=n, scaling=scaling, key_mean_logits=kml,
-                                              mask=body_mask, block_tokens=self.attention_block,
-                                              dequantize_block=_dequantize_rotated_block)
+                                              mask=body_mask, block_tokens=self.attention_block)
         out = out_rot @ vb.rotation.T
         if vb.mean is not None:
             out = out + vb.mean.repeat_interleave(groups, dim=0)[None, :, None, :]
@@ -563,7 +467,7 @@ class StaticOscarLayer(CacheLayerMixin):
                 (1, value_states, ring_v, self.sink_v, self.value_stream, "value")):
             q = QuantizedGroups(getattr(self, f"{prefix}_codes"), getattr(self, f"{prefix}_scale"),
                                 getattr(self, f"{prefix}_lo"))
-            body = dequantize_int2_traceable(q, stream.layout.axis, stream.group)
+            body = dequantize_int2(q, stream.layout.axis, stream.group)
             norm = getattr(self, f"{prefix}_norm")
             if norm is not None:
                 body = body * norm.float()[:, None, :, None]
@@ -715,4 +619,4 @@ def static_cache_like(cache, config, max_cache_len: int, attention_block: int = 
 
 
 __all__ = ["ATTENTION_BLOCK_TOKENS", "StaticOscarCache", "StaticOscarLayer", "StaticStep", "body_len",
-           "quantize_int2_traceable", "static_cache_like"]
+           "static_cache_like"]

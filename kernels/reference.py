@@ -8,16 +8,15 @@ from __future__ import annotations
 import torch
 
 from hf_kvint2.layers import QuantizedStream
-from hf_kvint2.quant import QuantizedGroups, quantize_int2
+from hf_kvint2.quant import QuantizedGroups
 from hf_kvint2.recipes import GroupLayout
 
 
 def reference_quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype):
-    """What a :class:`QuantizedStream` stores for new tokens ``x``: ``quantize_int2(stream.transform(x))``."""
+    """What a :class:`QuantizedStream` stores for new tokens ``x`` (:meth:`QuantizedStream.quantize`)."""
     stream = QuantizedStream(GroupLayout(axis, group_size, clip, token_scaling), group_size, rotation.float(),
                              None if mean is None else mean.float(), scale_dtype)
-    xt, norm = stream.transform(x)
-    return quantize_int2(xt, axis, group_size, scale_dtype), norm
+    return stream.quantize(x)
 
 
 def mask_to_additive(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:

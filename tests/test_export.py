@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_kvint2  # noqa: F401  (registers "oscar")
-from hf_kvint2 import OscarCache, OscarScaledCache, quantize_int2
+from hf_kvint2 import OscarCache, OscarScaledCache, quant, quantize_int2
 from hf_kvint2.export import (
     OscarExportableModule,
     OscarOnnxDecoder,
@@ -25,16 +25,9 @@ from hf_kvint2.export import (
     onnx_generate,
     onnx_step,
 )
-from hf_kvint2.quant import dequantize_int2, unpack_int2
+from hf_kvint2.quant import dequantize_int2, pack_int2, unpack_int2
 from hf_kvint2.recipes import GroupLayout
-from hf_kvint2.static_cache import (
-    StaticOscarCache,
-    StaticOscarLayer,
-    dequantize_int2_traceable,
-    quantize_int2_traceable,
-    transform_traceable,
-    unpack_int2_traceable,
-)
+from hf_kvint2.static_cache import StaticOscarCache, StaticOscarLayer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -105,26 +98,55 @@ def _eager_trajectory(module, ids):
 
 
 # ------------------------------------------------------------------------------------------------ building blocks
+def test_traced_packing_is_the_same_bytes(monkeypatch):
+    """The arithmetic packing used under tracing (ONNX-exportable) against the shifts, on every byte value."""
+    codes = unpack_int2(torch.arange(256, dtype=torch.uint8)[:, None])  # [256, 4]: all code combinations
+    monkeypatch.setattr(quant, "tracing", lambda: True)
+    assert torch.equal(pack_int2(codes)[:, 0], torch.arange(256, dtype=torch.uint8))
+    assert torch.equal(pack_int2(codes.float()), pack_int2(codes))
+    traced = unpack_int2(torch.arange(256, dtype=torch.uint8)[:, None])
+    assert traced.dtype == torch.int32 and torch.equal(traced, codes.to(torch.int32))
+
+
 @pytest.mark.parametrize("axis,group", [("token", 16), ("channel", 8)])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16])
-def test_traceable_quantizer_is_bit_identical(axis, group, scale_dtype):
+def test_quantizer_under_inductor_and_export_is_bit_identical(axis, group, scale_dtype):
+    """quantize_int2 + dequantize_int2 compiled by inductor and exported by torch.export give eager's bits: the
+    16-bit rounding of scales is kept (inductor elides the cast pair otherwise) and the packing is the same."""
     x = torch.randn(2, 3, 16, 16) * torch.logspace(-3, 2, 16)[None, None, :, None]
     x[0, 0, :8] = 1.5  # constant groups: scale 0
-    ref, got = quantize_int2(x, axis, group, scale_dtype), quantize_int2_traceable(x, axis, group, scale_dtype)
-    assert torch.equal(ref.codes, got.codes) and torch.equal(ref.scale, got.scale) and torch.equal(ref.lo, got.lo)
-    assert torch.equal(unpack_int2_traceable(ref.codes), unpack_int2(ref.codes).to(torch.int32))
-    assert torch.equal(dequantize_int2_traceable(ref, axis, group), dequantize_int2(ref, axis, group))
+
+    def roundtrip(x):
+        q = quantize_int2(x, axis, group, scale_dtype)
+        return q.codes, q.scale, q.lo, dequantize_int2(q, axis, group)
+
+    class Roundtrip(torch.nn.Module):
+        def forward(self, x):
+            return roundtrip(x)
+
+    ref = roundtrip(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(roundtrip, fullgraph=True, dynamic=False)(x)
+    exported = torch.export.export(Roundtrip(), (x,)).module()(x)
+    for got in (compiled, exported):
+        for a, b in zip(ref, got):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_traceable_transform_is_bit_identical():
+def test_stream_transform_under_inductor_is_bit_identical():
+    """QuantizedStream.quantize (centre, rotate, omni-token norm, clip, INT2) compiled against eager: the division
+    uses the stored, rounded norm in both."""
     from hf_kvint2.layers import OscarLayer
 
     layer = OscarLayer(_mixed_cache()._recipe_for_layer(0), 0)
-    x = torch.randn(2, 2, 8, 16)
+    x = torch.randn(2, 2, 8, 16) * 3
     layer.lazy_initialization(x, x)
     for stream in (layer.key_body, layer.value_body):  # token-scaled keys with a mean; clipped values
-        ref, got = stream.transform(x), transform_traceable(stream, x)
-        assert torch.equal(ref[0], got[0])
+        ref = stream.quantize(x)
+        torch._dynamo.reset()
+        got = torch.compile(stream.quantize, fullgraph=True, dynamic=False)(x)
+        for a, b in zip(ref[0], got[0]):
+            assert torch.equal(a, b)
         assert (ref[1] is None and got[1] is None) or torch.equal(ref[1], got[1])
 
 
