@@ -41,10 +41,10 @@ RESULTS = Path(__file__).parent / "results"
 
 # name -> fit_layers candidates. "calibrated" is what OscarCache.calibrate does by default.
 VARIANTS = {
-    "calibrated (per-layer choice)": dict(layouts=LAYOUTS, centering=(False, True)),
-    "Hadamard + fitted clip (all layers)": dict(layouts=("hadamard",), centering=(False,)),
-    "spectral + fitted clip (all layers)": dict(layouts=("spectral",), centering=(False,)),
-    "per-channel K and V (all layers)": dict(layouts=("channel",), centering=(False,)),
+    "calibrated (per-layer choice)": {"layouts": LAYOUTS, "centering": (False, True)},
+    "Hadamard + fitted clip (all layers)": {"layouts": ("hadamard",), "centering": (False,)},
+    "spectral + fitted clip (all layers)": {"layouts": ("spectral",), "centering": (False,)},
+    "per-channel K and V (all layers)": {"layouts": ("channel",), "centering": (False,)},
 }
 SINGLE = [name for name in VARIANTS if name.endswith("(all layers)")]
 
@@ -70,7 +70,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    settings = dict(sink_tokens=64, recent_tokens=256)
+    settings = {"sink_tokens": 64, "recent_tokens": 256}
     if args.quick:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -81,7 +81,7 @@ def main():
         tokenizer, model_name = ByteTokenizer(), "tiny random Llama"
         args.num_tokens, args.calib_window, args.windows, args.window, args.prefill = 3000, 512, 2, 512, 128
         args.bits_tokens = 4096
-        settings = dict(sink_tokens=16, recent_tokens=64)
+        settings = {"sink_tokens": 16, "recent_tokens": 64}
         args.out = args.out + "_quick"
     else:
         from hf_kvint2.models import DEFAULT_MODEL_ID, load_smollm2

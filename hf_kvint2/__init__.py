@@ -1,6 +1,7 @@
 """hf_kvint2: 2-bit KV-cache quantization (OSCAR and OScaR) for Hugging Face Transformers."""
 
-from .attention import ATTN_IMPLEMENTATION, register as _register_attention
+from .attention import ATTN_IMPLEMENTATION
+from .attention import register as _register_attention
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
 from .quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
@@ -12,19 +13,19 @@ _register_attention()  # makes attn_implementation="oscar" available to transfor
 __version__ = "0.1.0"
 
 __all__ = [
-    "OscarCache",
-    "OscarScaledCache",
-    "OscarCacheBase",
-    "OscarLayer",
-    "StaticOscarCache",
-    "StaticOscarLayer",
     "ATTN_IMPLEMENTATION",
     "GroupLayout",
     "LayerRecipe",
+    "OscarCache",
+    "OscarCacheBase",
+    "OscarLayer",
+    "OscarScaledCache",
+    "StaticOscarCache",
+    "StaticOscarLayer",
+    "dequantize_int2",
     "oscar_recipe",
     "oscar_scaled_recipe",
-    "quantize_int2",
-    "dequantize_int2",
     "pack_int2",
+    "quantize_int2",
     "unpack_int2",
 ]

@@ -153,9 +153,10 @@ class OscarScaledCache(OscarCacheBase):
                  key_group_size: int | None = None, value_group_size: int | None = None,
                  hadamard_block: int | None = None, token_scaling: bool = True,
                  scale_dtype: torch.dtype = torch.float16, tp_group=None):
-        self.settings = dict(sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                             key_group_size=key_group_size, value_group_size=value_group_size,
-                             hadamard_block=hadamard_block, token_scaling=token_scaling, scale_dtype=scale_dtype)
+        self.settings = {"sink_tokens": sink_tokens, "recent_tokens": recent_tokens, "group_size": group_size,
+                         "key_group_size": key_group_size, "value_group_size": value_group_size,
+                         "hadamard_block": hadamard_block, "token_scaling": token_scaling,
+                         "scale_dtype": scale_dtype}
         recipe = oscar_scaled_recipe(**self.settings)
         super().__init__(lambda idx: recipe, config, tp_group)
 
@@ -186,8 +187,8 @@ class OscarCache(OscarCacheBase):
                  value_means: Sequence[torch.Tensor] | None = None,
                  layer_layouts: Sequence[tuple[GroupLayout, GroupLayout]] | None = None,
                  scale_dtype: torch.dtype = torch.float16, tp_group=None):
-        self.settings = dict(k_clip=k_clip, v_clip=v_clip, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                             group_size=group_size, scale_dtype=scale_dtype)
+        self.settings = {"k_clip": k_clip, "v_clip": v_clip, "sink_tokens": sink_tokens,
+                         "recent_tokens": recent_tokens, "group_size": group_size, "scale_dtype": scale_dtype}
         self.k_rotations, self.v_rotations = k_rotations, v_rotations
         self.key_means, self.value_means, self.layer_layouts = key_means, value_means, layer_layouts
         if config is not None:

@@ -117,7 +117,7 @@ class LayerStatistics:
 
     def __init__(self, kv_heads: int, head_dim: int):
         h, d = kv_heads, head_dim
-        f64 = dict(dtype=torch.float64)
+        f64 = {"dtype": torch.float64}
         self.kv_heads, self.head_dim = h, d
         self.qq = torch.zeros(h, d, d, **f64)
         self.q_count = 0
@@ -215,8 +215,8 @@ class CalibrationData:
             scaling.append([h.scaling for h in layers])
             for i, h in enumerate(layers):
                 tensors.update({f"held.{w}.{i}.{n}": getattr(h, n).clone(memory_format=torch.contiguous_format) for n in ("q", "k", "v", "positions")})
-        meta = dict(num_layers=self.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim, info=self.info,
-                    counts=[(s.q_count, s.kv_count) for s in self.stats], scaling=scaling)
+        meta = {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "info": self.info, "counts": [(s.q_count, s.kv_count) for s in self.stats], "scaling": scaling}
         save_file(tensors, str(path), metadata={"calibration_data": json.dumps(meta)})
 
     @classmethod
@@ -225,7 +225,7 @@ class CalibrationData:
 
         with safe_open(str(path), "pt") as f:
             meta = json.loads(f.metadata()["calibration_data"])
-            t = {k: f.get_tensor(k) for k in f.keys()}
+            t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         stats = []
         for i, (q_count, kv_count) in enumerate(meta["counts"]):
             s = LayerStatistics(meta["kv_heads"], meta["head_dim"])
@@ -453,8 +453,8 @@ class LayerErrorProbe:
             scores = scores.masked_fill(~causal, float("-inf"))
             probs = scores.softmax(-1)
             out = probs @ w.v
-            self.windows.append(dict(w=w, q=q, causal=causal, body=body, scores=scores, probs=probs, out=out,
-                                     norm=out.square().sum().item()))
+            self.windows.append({"w": w, "q": q, "causal": causal, "body": body, "scores": scores, "probs": probs,
+                                 "out": out, "norm": out.square().sum().item()})
 
     def _quantized(self, x: torch.Tensor, cand: Candidate) -> torch.Tensor:
         """x [H, T, d] with tokens from ``sink`` on replaced by their stored (quantize -> dequantize) form."""

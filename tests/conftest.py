@@ -21,11 +21,11 @@ def tiny_config(arch: str, **overrides):
     """A 2-layer config (hidden 64, 4 query heads, 2 KV heads, head_dim 16) of the given architecture."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    kwargs = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  # a wider init than the default 0.02 gives peaked attention and logits, so that quantization
-                  # errors show up in the outputs instead of vanishing in near-uniform softmaxes
-                  initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    kwargs = {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              # a wider init than the default 0.02 gives peaked attention and logits, so that quantization
+              # errors show up in the outputs instead of vanishing in near-uniform softmaxes
+              "initializer_range": 0.1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None}
     if arch == "mistral":
         kwargs["sliding_window"] = None  # every layer full attention (sliding windows are tested separately)
     kwargs.update(overrides)

@@ -93,10 +93,10 @@ def test_quantized_decode_tracks_dynamic_cache(tiny_model, kind, arch, dtype):
 
 # ---------------------------------------------------------------------------------------------- generation
 MODES = {
-    "greedy": dict(do_sample=False),
-    "sampling": dict(do_sample=True, top_k=0, temperature=1.0),
-    "beam3": dict(num_beams=3, do_sample=False),
-    "prompt_lookup": dict(prompt_lookup_num_tokens=3, do_sample=False),
+    "greedy": {"do_sample": False},
+    "sampling": {"do_sample": True, "top_k": 0, "temperature": 1.0},
+    "beam3": {"num_beams": 3, "do_sample": False},
+    "prompt_lookup": {"prompt_lookup_num_tokens": 3, "do_sample": False},
 }
 
 
@@ -260,13 +260,13 @@ def test_batch_repeat_interleave_then_forward(tiny_model, kind):
 def _crop_cases():
     # (kind, cache kwargs, tokens held before the crop, target length, where the cut falls)
     return [
-        ("oscar", dict(sink_tokens=4, recent_tokens=8), 30, 26, "recent"),
-        ("oscar", dict(sink_tokens=4, recent_tokens=8), 30, 13, "per-token body"),
-        ("oscar", dict(sink_tokens=4, recent_tokens=8), 30, 3, "sink"),
-        ("scaled", dict(recent_tokens=8, group_size=8), 30, 27, "recent"),
-        ("scaled", dict(recent_tokens=8, group_size=8), 30, 16, "block boundary in the body"),
-        ("scaled", dict(recent_tokens=8, group_size=8), 30, 13, "inside a per-channel block"),
-        ("scaled", dict(sink_tokens=4, recent_tokens=8, group_size=8), 30, 2, "sink"),
+        ("oscar", {"sink_tokens": 4, "recent_tokens": 8}, 30, 26, "recent"),
+        ("oscar", {"sink_tokens": 4, "recent_tokens": 8}, 30, 13, "per-token body"),
+        ("oscar", {"sink_tokens": 4, "recent_tokens": 8}, 30, 3, "sink"),
+        ("scaled", {"recent_tokens": 8, "group_size": 8}, 30, 27, "recent"),
+        ("scaled", {"recent_tokens": 8, "group_size": 8}, 30, 16, "block boundary in the body"),
+        ("scaled", {"recent_tokens": 8, "group_size": 8}, 30, 13, "inside a per-channel block"),
+        ("scaled", {"sink_tokens": 4, "recent_tokens": 8, "group_size": 8}, 30, 2, "sink"),
     ]
 
 

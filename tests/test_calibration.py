@@ -25,7 +25,7 @@ from hf_kvint2.data import __file__ as _data_init
 from hf_kvint2.transforms import check_orthogonal, hadamard_matrix
 
 TEXT = (Path(_data_init).parent / "prideprejudice.txt").read_text(encoding="utf-8")[:20000]
-SETTINGS = dict(window=256, sink_tokens=8, recent_tokens=32, fit_queries=64)  # small: a body of ~200 tokens
+SETTINGS = {"window": 256, "sink_tokens": 8, "recent_tokens": 32, "fit_queries": 64}  # small: a body of ~200 tokens
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
