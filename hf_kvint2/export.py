@@ -104,6 +104,7 @@ class OscarExportableModule(torch.nn.Module):
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
+        self.train(model.training)  # the wrapper is in the model's mode (exporters check the root module's)
         text_config = model.config.get_text_config(decoder=True)
         cache = OscarCache(config=model.config) if cache is None else cache
         self.static_cache = static_cache_like(cache, model.config, max_cache_len, attention_block)

@@ -279,6 +279,7 @@ def test_onnx_runtime_matches_eager(model, tmp_path):
 
     ids = _ids()
     module = OscarOnnxDecoder(model, _mixed_cache(), max_cache_len=MAX_LEN, attention_block=BLOCK)
+    assert not module.training  # the wrapper follows the model's eval mode (exporters warn otherwise)
     try:
         state = module.initial_state()
         worst, codes_equal = 0.0, True
