@@ -293,12 +293,13 @@ class OnnxDecoderSpec:
 
 def export_onnx(model, path, cache=None, *, max_cache_len: int, batch_size: int = 1,
                 attention_block: int = ATTENTION_BLOCK_TOKENS, opset_version: int | None = None,
-                optimize: bool = True) -> OnnxDecoderSpec:
+                optimize: bool = False) -> OnnxDecoderSpec:
     """Write the decode step as an ONNX graph (``torch.onnx.export(..., dynamo=True)``, pip install
     ``hf-kvint2[export]``). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state
     ``layers.<i>.<name>``; outputs: ``logits [B, 1, vocab]`` and ``present.layers.<i>.<name>`` (the new state,
-    same shapes). A sequence starts from zero state at position 0. ``optimize``: run onnxscript's graph optimizer
-    (minutes for a 30-layer model on a small CPU; False writes the graph as exported)."""
+    same shapes). A sequence starts from zero state at position 0. ``optimize=True`` runs onnxscript's graph
+    optimizer: off by default, as it spent over 50 minutes on 30-layer SmolLM2 on a 2-core CPU, and ONNX Runtime
+    applies its own graph optimizations when it loads the unoptimized graph."""
     module = OscarOnnxDecoder(model, cache, max_cache_len=max_cache_len, batch_size=batch_size, device="cpu",
                               attention_block=attention_block)
     ids, pos = _example_inputs(module)
