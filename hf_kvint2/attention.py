@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .quant import QuantizedGroups, dequantize_int2
+from .quant import QuantizedGroups
 
 ATTN_IMPLEMENTATION = "oscar"
 PORTABLE_PATH_WARNING = (
@@ -201,19 +201,12 @@ BODY_BLOCK_TOKENS = 512
 
 def _dequantize_rotated_block(stream, t0: int, t1: int) -> torch.Tensor:
     """Body tokens ``[t0, t1)`` of one stream in the rotated space (norms applied), fp32 [B, H, t1 - t0, D]."""
-    g = stream.group
-    if stream.layout.axis == "token":
-        q = QuantizedGroups(stream.codes.view()[:, :, t0:t1], stream.scale.view()[:, :, t0:t1],
-                            stream.lo.view()[:, :, t0:t1])
-        x = dequantize_int2(q, "token", g)
-    else:  # scales cover whole groups of tokens: dequantize the aligned span, keep [t0, t1)
-        a0, a1 = (t0 // g) * g, -(-t1 // g) * g
-        q = QuantizedGroups(stream.codes.view()[:, :, a0:a1], stream.scale.view()[:, :, a0 // g:a1 // g],
-                            stream.lo.view()[:, :, a0 // g:a1 // g])
-        x = dequantize_int2(q, "channel", g)[:, :, t0 - a0:t1 - a0]
-    if stream.norm is not None:
-        x = x * stream.norm.view()[:, t0:t1].float()[:, None, :, None]
-    return x
+    g = stream.group if stream.layout.axis == "channel" else 1
+    a0, a1 = (t0 // g) * g, -(-t1 // g) * g  # per-channel scales cover whole groups of tokens: the aligned span
+    q = QuantizedGroups(stream.codes.view()[:, :, a0:a1], stream.scale.view()[:, :, a0 // g:a1 // g],
+                        stream.lo.view()[:, :, a0 // g:a1 // g])
+    norm = None if stream.norm is None else stream.norm.view()[:, a0:a1]
+    return stream.dequantize_groups(q, norm, rotated=True)[:, :, t0 - a0:t1 - a0]
 
 
 def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None,
@@ -284,11 +277,6 @@ def body_attention(q_rot, key_body, value_body, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------- attention
-def _per_query_head(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[Hkv, D] per-KV-head vector -> [Hq, D] (query head h uses KV head h // groups)."""
-    return x.repeat_interleave(groups, dim=0)
-
-
 def fused_step_attention(query: torch.Tensor, step: LayerStep, attention_mask: torch.Tensor | None,
                          scaling: float, is_causal: bool) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over one layer step, body read from codes. Returns [B, Hq, Lq, D]."""
@@ -309,15 +297,9 @@ def fused_step_attention(query: torch.Tensor, step: LayerStep, attention_mask: t
     if n_sink:
         parts.append(dense_partial(qf, step.sink_k, step.sink_v, scaling, cols(0, n_sink)))
     kb, vb = layer.key_body, layer.value_body
-    q_rot = qf @ kb.rotation
-    kml = None if kb.mean is None else qf @ _per_query_head(kb.mean, groups).unsqueeze(-1)
-    out_rot, lse = body_attention(q_rot, kb, vb, n_tokens=n_body, scaling=scaling,
-                                  key_mean_logits=None if kml is None else kml.squeeze(-1),
-                                  mask=cols(n_sink, n_sink + n_body))
-    out = out_rot @ vb.rotation.T
-    if vb.mean is not None:
-        out = out + _per_query_head(vb.mean, groups)[None, :, None, :]
-    parts.append((out, lse))
+    out_rot, lse = body_attention(qf @ kb.rotation, kb, vb, n_tokens=n_body, scaling=scaling,
+                                  key_mean_logits=kb.mean_logits(qf, groups), mask=cols(n_sink, n_sink + n_body))
+    parts.append((vb.unrotate(out_rot, groups), lse))
     parts.append(dense_partial(qf, step.tail_k, step.tail_v, scaling, cols(n_sink + n_body, total)))
     out, _ = merge_partials(parts)
     return out.to(query.dtype)

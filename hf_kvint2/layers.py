@@ -78,15 +78,30 @@ class QuantizedStream:
     def dequantize(self, rotated: bool = False) -> torch.Tensor:
         """Float32 body [B, H, T, D]: in the transformed space if ``rotated`` (norms applied), else original."""
         q = QuantizedGroups(self.codes.view(), self.scale.view(), self.lo.view())
+        return self.dequantize_groups(q, None if self.norm is None else self.norm.view(), rotated)
+
+    def dequantize_groups(self, q: QuantizedGroups, norm: torch.Tensor | None, rotated: bool = False) -> torch.Tensor:
+        """Float32 [B, H, T, D] from groups and norms [B, T] stored by this stream (its own buffers or, for the
+        static caches, fixed-size ones): in the transformed space if ``rotated`` (norms applied), else original."""
         x = dequantize_int2(q, self.layout.axis, self.group)
-        if self.norm is not None:
-            x = x * self.norm.view().float()[:, None, :, None]
-        if rotated:
-            return x
+        if norm is not None:
+            x = x * norm.float()[:, None, :, None]
+        return x if rotated else self.unrotate(x)
+
+    def unrotate(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        """Rotated-space x [B, H, T, D] back to the original space (``x R^T + mean``). ``groups > 1``: x has one
+        row per query head (``H = kv_heads * groups``, query head h reads KV head h // groups), as attention
+        outputs do."""
         x = x @ self.rotation.T
         if self.mean is not None:
-            x = x + self.mean[None, :, None, :]
+            x = x + self.mean.repeat_interleave(groups, dim=0)[None, :, None, :]
         return x
+
+    def mean_logits(self, q: torch.Tensor, groups: int) -> torch.Tensor | None:
+        """``q . mean`` [B, Hq, L] for queries q [B, Hq, L, D] (keys are stored centred), or None without a mean."""
+        if self.mean is None:
+            return None
+        return (q @ self.mean.repeat_interleave(groups, dim=0).unsqueeze(-1)).squeeze(-1)
 
     def truncate(self, tokens: int) -> None:
         rows = tokens // self.group if self.layout.axis == "channel" else tokens

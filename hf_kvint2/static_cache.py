@@ -48,7 +48,7 @@ from .attention import (
     warn_portable_path_once,
 )
 from .layers import OscarLayer, QuantizedStream
-from .quant import SCALE_DTYPES, QuantizedGroups, dequantize_int2
+from .quant import SCALE_DTYPES, QuantizedGroups
 from .quant import tracing as _tracing
 from .recipes import LayerRecipe
 
@@ -82,11 +82,12 @@ class _View:
 
 
 class _StreamView:
-    """What :func:`body_attention_blocked` reads of a stream (layout, group, codes, scales, norms), over the
-    static buffers of one stream."""
+    """What :func:`body_attention_blocked` reads of a stream (layout, group, codes, scales, norms, and its
+    dequantization), over the static buffers of one stream."""
 
     def __init__(self, stream: QuantizedStream, codes, scale, lo, norm):
         self.layout, self.group = stream.layout, stream.group
+        self.dequantize_groups = stream.dequantize_groups
         self.codes, self.scale, self.lo = _View(codes), _View(scale), _View(lo)
         self.norm = None if norm is None else _View(norm)
 
@@ -419,16 +420,10 @@ class StaticOscarLayer(CacheLayerMixin):
         body_mask = columns((pos < s + b1) & (pos < p0), pos)
         kview = _StreamView(kb, self.key_codes, self.key_scale, self.key_lo, self.key_norm)
         vview = _StreamView(vb, self.value_codes, self.value_scale, self.value_lo, self.value_norm)
-        q_rot = qf @ kb.rotation
-        kml = None
-        if kb.mean is not None:
-            kml = (qf @ kb.mean.repeat_interleave(groups, dim=0).unsqueeze(-1)).squeeze(-1)
-        out_rot, lse = body_attention_blocked(q_rot, kview, vview, n_tokens=n, scaling=scaling, key_mean_logits=kml,
-                                              mask=body_mask, block_tokens=self.attention_block)
-        out = out_rot @ vb.rotation.T
-        if vb.mean is not None:
-            out = out + vb.mean.repeat_interleave(groups, dim=0)[None, :, None, :]
-        parts.append((out, lse))
+        out_rot, lse = body_attention_blocked(qf @ kb.rotation, kview, vview, n_tokens=n, scaling=scaling,
+                                              key_mean_logits=kb.mean_logits(qf, groups), mask=body_mask,
+                                              block_tokens=self.attention_block)
+        parts.append((vb.unrotate(out_rot, groups), lse))
         ring_k, ring_v = self._ring_snapshot if self._ring_snapshot is not None else (self.ring_k, self.ring_v)
         slot = torch.arange(r, device=dev)
         last = p0 - 1  # newest past position; slot i holds the newest past position j with (j - s) % r == i
@@ -462,20 +457,13 @@ class StaticOscarLayer(CacheLayerMixin):
         in_ring = (pos >= s) & (pos >= s + b1) & (pos < p0)
         in_chunk = (pos >= p0) & (pos < p0 + lq)
         outs = []
-        for which, chunk, ring, sink, stream, prefix in (
-                (0, key_states, ring_k, self.sink_k, self.key_stream, "key"),
-                (1, value_states, ring_v, self.sink_v, self.value_stream, "value")):
+        for chunk, ring, sink, stream, prefix in ((key_states, ring_k, self.sink_k, self.key_stream, "key"),
+                                                  (value_states, ring_v, self.sink_v, self.value_stream, "value")):
             q = QuantizedGroups(getattr(self, f"{prefix}_codes"), getattr(self, f"{prefix}_scale"),
                                 getattr(self, f"{prefix}_lo"))
-            body = dequantize_int2(q, stream.layout.axis, stream.group)
-            norm = getattr(self, f"{prefix}_norm")
-            if norm is not None:
-                body = body * norm.float()[:, None, :, None]
-            body = body @ stream.rotation.T
-            if stream.mean is not None:
-                body = body + stream.mean[None, :, None, :]
-            x = torch.zeros_like(chunk.index_select(2, chunk_idx))
-            x = torch.where(in_chunk[:, None], chunk.index_select(2, chunk_idx), x)
+            body = stream.dequantize_groups(q, getattr(self, f"{prefix}_norm"))
+            x = chunk.index_select(2, chunk_idx)
+            x = torch.where(in_chunk[:, None], x, torch.zeros_like(x))
             x = torch.where(in_ring[:, None], ring.index_select(2, ring_slots), x)
             x = torch.where(in_body[:, None], body.index_select(2, body_idx).to(x.dtype), x)
             if s:

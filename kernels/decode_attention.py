@@ -339,10 +339,7 @@ def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_sp
         out_rot, lse = body_attention(qf @ kb.rotation, kb, vb, n_tokens=n_body, scaling=scaling,
                                       key_mean_logits=qmu, mask=body_mask, num_splits=num_splits,
                                       dot_dtype=query.dtype, block_n=block_n)
-        out = out_rot @ vb.rotation.T
-        if vb.mean is not None:
-            out = out + vb.mean.repeat_interleave(hq // hkv, dim=0)[None, :, None, :]
-        parts.append((out, lse))
+        parts.append((vb.unrotate(out_rot, hq // hkv), lse))
     # Full-precision segments (sink and recent: at most a few hundred tokens) in plain PyTorch.
     k_fp = torch.cat([layer.sink_k, layer.recent_k], dim=2).float()
     v_fp = torch.cat([layer.sink_v, layer.recent_v], dim=2).float()
