@@ -18,12 +18,39 @@ from transformers.cache_utils import CacheLayerMixin
 from . import kernels
 from .attention import LayerStep
 from .distributed import TensorParallelShard
-from .quant import QuantizedGroups, as_stored, dequantize_int2, quantize_int2
+from .quant import QuantizedGroups, as_stored, dequantize_int2, quantize_int2, tracing
 from .recipes import GroupLayout, LayerRecipe
 from .storage import TokenBuffer
 from .transforms import block_hadamard_matrix, check_orthogonal, clip_rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
+
+
+def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
+    """Checks of new K/V shared by the dynamic and static layers: rank, equal shapes, dtype, head_dim; once the
+    layer is initialized, the batch, heads, head_dim and dtype it holds (``fix`` tells the user what to do);
+    no NaN/Inf unless the recipe turns that off (skipped while tracing: it needs the data)."""
+    where = layer._name
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{where}: expected key/value states of rank 4 [batch, kv_heads, tokens, head_dim], "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: key states {tuple(k.shape)} and value states {tuple(v.shape)} differ in shape.")
+    if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:
+        raise ValueError(f"{where}: unsupported K/V dtype {k.dtype}/{v.dtype}; use one of {SUPPORTED_DTYPES}.")
+    b, h, _, d = k.shape
+    if d % 4:
+        raise ValueError(f"{where}: head_dim={d} is not supported; INT2 packing needs a multiple of 4.")
+    if layer.is_initialized:
+        if (b, h, d) != (layer.batch_size, layer.num_heads, layer.head_dim):
+            raise ValueError(f"{where}: got K/V with batch={b}, kv_heads={h}, head_dim={d} but the cache holds "
+                             f"batch={layer.batch_size}, kv_heads={layer.num_heads}, head_dim={layer.head_dim}. {fix}")
+        if k.dtype != layer.dtype:
+            raise ValueError(f"{where}: K/V dtype changed from {layer.dtype} to {k.dtype}. {fix}")
+    if layer.recipe.check_finite and not tracing() and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
+                         "(check the model's dtype: fp16 overflow is a common cause).")
 
 
 class QuantizedStream:
@@ -180,34 +207,9 @@ class OscarLayer(CacheLayerMixin):
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
         self.is_initialized = True
 
-    def _validate(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        where = self._name
-        if k.dim() != 4 or v.dim() != 4:
-            raise ValueError(f"{where}: expected key/value states of rank 4 [batch, kv_heads, tokens, head_dim], "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}.")
-        if k.shape != v.shape:
-            raise ValueError(f"{where}: key states {tuple(k.shape)} and value states {tuple(v.shape)} differ in shape.")
-        if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:
-            raise ValueError(f"{where}: unsupported K/V dtype {k.dtype}/{v.dtype}; use one of {SUPPORTED_DTYPES}.")
-        d = k.shape[-1]
-        if d % 4:
-            raise ValueError(f"{where}: head_dim={d} is not supported; INT2 packing needs a multiple of 4.")
-        if self.is_initialized:
-            b, h, _, d = k.shape
-            if (b, h, d) != (self.batch_size, self.num_heads, self.head_dim):
-                raise ValueError(
-                    f"{where}: got K/V with batch={b}, kv_heads={h}, head_dim={d} but the cache holds batch="
-                    f"{self.batch_size}, kv_heads={self.num_heads}, head_dim={self.head_dim}. Call cache.reset() "
-                    "(or use a new cache) for a different model or batch.")
-            if k.dtype != self.dtype:
-                raise ValueError(f"{where}: K/V dtype changed from {self.dtype} to {k.dtype}; reset the cache first.")
-        if self.recipe.check_finite and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-            raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
-                             "(check the model's dtype: fp16 overflow is a common cause).")
-
     # ------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self._validate(key_states, value_states)
+        validate_kv(self, key_states, value_states, fix=RESET_FIX)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n_new = key_states.shape[-2]

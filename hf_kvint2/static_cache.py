@@ -47,12 +47,13 @@ from .attention import (
     merge_partials,
     warn_portable_path_once,
 )
-from .layers import OscarLayer, QuantizedStream
+from .layers import OscarLayer, QuantizedStream, validate_kv
 from .quant import SCALE_DTYPES, QuantizedGroups
 from .quant import tracing as _tracing
 from .recipes import LayerRecipe
 
 ATTENTION_BLOCK_TOKENS = 512
+STATIC_FIX = "Build the static cache (or export) for the model, batch and dtype you run."
 _NEG_INF = float("-inf")
 
 
@@ -167,7 +168,6 @@ class StaticOscarLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # The dynamic layer's initialization builds and checks the rotations, means and group sizes.
         proto = OscarLayer(self.recipe, self.layer_idx)
-        proto._validate(key_states, value_states)
         proto.lazy_initialization(key_states, value_states)
         self.key_stream, self.value_stream = proto.key_body, proto.value_body
         b, h, _, d = key_states.shape
@@ -225,23 +225,10 @@ class StaticOscarLayer(CacheLayerMixin):
         self._write(name, dim, index, torch.where(flag, value.to(old.dtype), old))
 
     # ------------------------------------------------------------------ update
-    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        where = self._name
-        if key_states.shape != value_states.shape or key_states.dim() != 4:
-            raise ValueError(f"{where}: expected key/value states [batch, kv_heads, tokens, head_dim] of equal shape, "
-                             f"got {tuple(key_states.shape)} and {tuple(value_states.shape)}.")
-        b, h, _, d = key_states.shape
-        if (b, h, d) != (self.batch_size, self.num_heads, self.head_dim):
-            raise ValueError(f"{where}: got K/V with batch={b}, kv_heads={h}, head_dim={d} but the static cache was "
-                             f"allocated for batch={self.batch_size}, kv_heads={self.num_heads}, head_dim="
-                             f"{self.head_dim}. Build the cache (or export) with the batch size you run.")
-        if key_states.dtype != self.dtype or value_states.dtype != self.dtype:
-            raise ValueError(f"{where}: K/V dtype {key_states.dtype} differs from the cache's {self.dtype}.")
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        validate_kv(self, key_states, value_states, fix=STATIC_FIX)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check(key_states, value_states)
         cache_position = _cache_position_from(args, kwargs)
         if cache_position is not None:  # transformers < 5.24 passes positions; later versions use cumulative_length
             start = cache_position.reshape(-1)[:1].to(self.cumulative_length.device).reshape(())
@@ -298,12 +285,9 @@ class StaticOscarLayer(CacheLayerMixin):
         s, w, blk, r = self.sink, self.window, self.block, self.ring_size
         dev = self.device
         p = self.cumulative_length.reshape(1)
-        if not _tracing():
-            if int(p) >= self.max_cache_len:
-                raise ValueError(f"{self._name}: cache position {int(p)} is beyond max_cache_len="
-                                 f"{self.max_cache_len}; build the static cache with a larger max_cache_len.")
-            if self.recipe.check_finite and not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
-                raise ValueError(f"{self._name}: key/value states contain NaN or Inf; refusing to quantize them.")
+        if not _tracing() and int(p) >= self.max_cache_len:
+            raise ValueError(f"{self._name}: cache position {int(p)} is beyond max_cache_len="
+                             f"{self.max_cache_len}; build the static cache with a larger max_cache_len.")
         # The candidate block: window positions [p + 1 - w - blk, p + 1 - w), complete when the window reaches
         # w + blk tokens. With w == 0 its last token is the current one (not yet in the ring).
         n_after = p + 1 - s  # tokens past the sink after this step
@@ -343,8 +327,6 @@ class StaticOscarLayer(CacheLayerMixin):
         if p1 > self.max_cache_len:
             raise ValueError(f"{self._name}: positions {p0}..{p1 - 1} go beyond max_cache_len={self.max_cache_len}; "
                              "build the static cache with a larger max_cache_len.")
-        if self.recipe.check_finite and not (torch.isfinite(key_states).all() and torch.isfinite(value_states).all()):
-            raise ValueError(f"{self._name}: key/value states contain NaN or Inf; refusing to quantize them.")
         self._ring_snapshot = (self.ring_k.clone(), self.ring_v.clone())  # the attention reads past ring tokens
         b0, b1 = body_len(p0 - s, w, blk), body_len(p1 - s, w, blk)
         writes = []

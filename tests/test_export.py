@@ -342,6 +342,20 @@ def test_bad_inputs_fail_clearly(model):
             module.static_cache.crop(-1)
         with pytest.raises(TypeError, match="already static"):
             StaticOscarCache.from_cache(module.static_cache, model.config, MAX_LEN)
+        # K/V checks shared with the dynamic layer: nothing is written when they fail
+        module.unbind()
+        layer = module.static_cache.layers[0]
+        before = _state(module)
+        k = torch.randn(1, 2, 1, 16)
+        with pytest.raises(ValueError, match="layer 0: key/value states contain NaN or Inf"):
+            layer.update(k, torch.full_like(k, float("nan")))
+        with pytest.raises(ValueError, match="dtype changed from torch.float32 to torch.bfloat16. Build the static"):
+            layer.update(k.bfloat16(), k.bfloat16())
+        with pytest.raises(ValueError, match="kv_heads=3.*kv_heads=2.*Build the static cache"):
+            layer.update(torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16))
+        with pytest.raises(ValueError, match="differ in shape"):
+            layer.update(k, k[..., :8])
+        assert all(torch.equal(a, b) for a, b in zip(before, _state(module)))
     finally:
         module.unbind()
     from conftest import tiny_config
