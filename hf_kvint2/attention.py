@@ -322,16 +322,11 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     step = key.step
-    unsupported = (dropout > 0 or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-                   or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None)
-    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
-    if step.body_tokens == 0 or unsupported or per_head_mask or not isinstance(value, DeferredKV):
+    if step.body_tokens == 0 or _sdpa_only_features(dropout, attention_mask, kwargs) or \
+            not isinstance(value, DeferredKV):
         # No INT2 tokens to read (early steps, fresh prefill) or a feature only SDPA has: plain SDPA on the view.
-        k, v = step.materialize()
-        out = sdpa_attention_forward(module, query, k, value if not isinstance(value, DeferredKV) else v,
-                                     attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        step._full = None
-        return out
+        return _sdpa_on_view(module, step, query, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -339,26 +334,39 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.transpose(1, 2).contiguous(), None
 
 
-def _static_attention_forward(module, bound, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    unsupported = [name for name in ("softcap", "position_bias", "s_aux", "sinks") if kwargs.get(name) is not None]
+def _sdpa_only_features(dropout: float, attention_mask: torch.Tensor | None, kwargs: dict) -> list[str]:
+    """Attention features the fused paths do not implement (SDPA does); empty if none is asked for."""
+    found = [name for name in ("softcap", "position_bias", "s_aux", "sinks") if kwargs.get(name) is not None]
     if dropout > 0:
-        unsupported.append("dropout")
-    per_head_mask = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1
+        found.append("dropout")
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] != 1:
+        found.append("per-head masks")
+    return found
+
+
+def _sdpa_on_view(module, step, query, value, attention_mask, **sdpa_kwargs):
+    """Plain SDPA on the step's full-precision view (released right after)."""
+    k, v = step.materialize()
+    out = sdpa_attention_forward(module, query, k, value if not isinstance(value, DeferredKV) else v,
+                                 attention_mask, **sdpa_kwargs)
+    step._full = None
+    return out
+
+
+def _static_attention_forward(module, bound, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    unsupported = _sdpa_only_features(dropout, attention_mask, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if bound is None:
         step = key.step
-        if unsupported or per_head_mask:  # a feature only SDPA has: SDPA on the portable view
-            k, v = step.materialize()
-            out = sdpa_attention_forward(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling,
-                                         **kwargs)
-            step._full = None
-            return out
+        if unsupported:  # a feature only SDPA has: SDPA on the portable view
+            return _sdpa_on_view(module, step, query, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 **kwargs)
         out = step.attend(query, attention_mask, scaling)
     else:
-        if unsupported or per_head_mask:
-            raise ValueError(f"The static Oscar attention does not support {unsupported or 'per-head masks'}; "
-                             "export this model with transformers' StaticCache instead.")
+        if unsupported:
+            raise ValueError(f"The static Oscar attention does not support {', '.join(unsupported)}; export this "
+                             "model with transformers' StaticCache instead.")
         out = bound.attend(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 

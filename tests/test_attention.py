@@ -175,6 +175,36 @@ def test_deferred_view_materializes_for_other_attention():
         torch.testing.assert_close(dv + 0, want_v, atol=0, rtol=0)
 
 
+def test_features_only_sdpa_has_run_sdpa_on_the_view(monkeypatch):
+    """A per-head mask or dropout is not implemented by the fused path: "oscar" runs SDPA on the layer's view."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    layer = OscarLayer(oscar_recipe(sink_tokens=2, recent_tokens=4, group_size=8), 0)
+    layer.update(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8))
+    layer.fused_attention = True
+    dk, dv = layer.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    want_k = torch.cat([layer.sink_k, layer.key_body.dequantize(), layer.recent_k], dim=2)
+    want_v = torch.cat([layer.sink_v, layer.value_body.dequantize(), layer.recent_v], dim=2)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+
+    def no_fused(*args, **kwargs):
+        raise AssertionError("the fused path ran")
+
+    monkeypatch.setattr(attention, "fused_step_attention", no_fused)
+    q = torch.randn(1, 4, 1, 8)
+    per_head = torch.randn(1, 4, 1, 21)
+    got, _ = attention.oscar_attention_forward(module, q, dk, dv, per_head, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, q, want_k, want_v, per_head, scaling=0.3)
+    assert torch.equal(got, want)
+    torch.manual_seed(1)
+    got, _ = attention.oscar_attention_forward(module, q, dk, dv, None, dropout=0.5, scaling=0.3)
+    torch.manual_seed(1)
+    want, _ = sdpa_attention_forward(module, q, want_k, want_v, None, dropout=0.5, scaling=0.3)
+    assert torch.equal(got, want)
+
+
 # ------------------------------------------------------------------------------------------------ body kernels
 LAYOUTS = {
     "token keys, centred": oscar_recipe(sink_tokens=0, recent_tokens=0, group_size=8,

@@ -329,6 +329,32 @@ def test_model_generate_with_static_cache(model, attn, monkeypatch):
     assert diff < TOL, diff
 
 
+def test_static_attention_features_only_sdpa_has(monkeypatch):
+    """Eager static layer: a per-head mask runs SDPA on the full view; a bound (exported) layer refuses it."""
+    from conftest import tiny_config
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_kvint2 import attention
+
+    layer = StaticOscarCache.from_cache(CACHES["oscar"](), tiny_config("llama"), MAX_LEN).layers[0]
+    g = torch.Generator().manual_seed(0)
+    layer.update(torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g))
+    layer.fused_attention = True
+    k1, v1 = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g)
+    dk, dv = layer.update(k1, v1)
+    want_k, want_v = layer.full_view(k1, v1)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    monkeypatch.setattr(StaticOscarLayer, "attend", lambda *a, **k: pytest.fail("the fused path ran"))
+    q, per_head = torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 4, 1, MAX_LEN, generator=g)
+    got, _ = attention.oscar_attention_forward(module, q, dk, dv, per_head, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, q, want_k, want_v, per_head, scaling=0.25)
+    assert torch.equal(got, want)
+    module.oscar_static_layer = layer
+    with pytest.raises(ValueError, match="does not support dropout, per-head masks; export this model with"):
+        attention.oscar_attention_forward(module, q, k1, v1, per_head, dropout=0.1, scaling=0.25)
+
+
 def test_bad_inputs_fail_clearly(model):
     module = _module(model, "oscar")
     try:
