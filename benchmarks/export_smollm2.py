@@ -33,11 +33,11 @@ ARTIFACT = "hf-kvint2/SmolLM2-135M-Instruct-oscar"
 
 
 def _states(module):
-    return [t.clone() for layer in module.static_cache.layers for t in layer.state_tensors()]
+    return [t.clone() for t in module.static_cache.state_tensors()]
 
 
 def _set_states(module, states):
-    for dst, src in zip([t for layer in module.static_cache.layers for t in layer.state_tensors()], states):
+    for dst, src in zip(module.static_cache.state_tensors(), states):
         dst.copy_(src)
 
 

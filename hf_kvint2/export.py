@@ -138,8 +138,6 @@ class OscarExportableModule(torch.nn.Module):
         if cache_position.dim() != 1 or cache_position.shape[0] != n:
             raise ValueError(f"cache_position must be 1-D with one position per input token ({n}), got shape "
                              f"{tuple(cache_position.shape)}.")
-        if not torch.compiler.is_compiling() and int(cache_position[-1]) >= self.max_cache_len:
-            raise ValueError(f"cache_position {int(cache_position[-1])} is beyond max_cache_len={self.max_cache_len}.")
         for layer in self.static_cache.layers:
             layer._set_length(cache_position[0])
         kwargs = {self._cache_kw: self.static_cache, "use_cache": True, "attention_mask": None,
@@ -175,7 +173,7 @@ class OscarOnnxDecoder(OscarExportableModule):
 
     def initial_state(self) -> list[torch.Tensor]:
         """Zero state of the right shapes and dtypes (what a fresh sequence starts from)."""
-        return [torch.zeros_like(t) for layer in self.static_cache.layers for t in layer.state_tensors()]
+        return [torch.zeros_like(t) for t in self.static_cache.state_tensors()]
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, *state: torch.Tensor):
         layers: list[StaticOscarLayer] = self.static_cache.layers
@@ -244,7 +242,9 @@ def generate(program, prompt_ids: torch.Tensor, max_new_tokens: int, eos_token_i
     Returns ``[B, n + generated]``."""
     step = _step_fn(program)
     if max_cache_len is None:
-        max_cache_len = getattr(program, "max_cache_len", None) or _program_max_cache_len(program)
+        max_cache_len = getattr(program, "max_cache_len", None)
+    if max_cache_len is None:
+        raise ValueError("Pass max_cache_len= to generate: this program does not record it (export_decoder's do).")
     b, n = prompt_ids.shape
     if n == 0:
         raise ValueError("generate needs at least one prompt token.")
@@ -267,10 +267,6 @@ def generate(program, prompt_ids: torch.Tensor, max_new_tokens: int, eos_token_i
             break
         logits = step(input_ids=nxt[:, None], cache_position=torch.tensor([pos], device=device))
     return tokens
-
-
-def _program_max_cache_len(program) -> int:
-    raise ValueError("Pass max_cache_len= to generate: this program does not record it (export_decoder's do).")
 
 
 # ---------------------------------------------------------------------------------------------------- ONNX

@@ -570,6 +570,10 @@ class StaticOscarCache(Cache):
             raise ValueError(f"layer_idx {layer_idx} is beyond the {len(self.layers)} layers of this static cache.")
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every layer's state tensors, layer by layer in ``state_names`` order (the ONNX graph's state)."""
+        return [t for layer in self.layers for t in layer.state_tensors()]
+
     def memory_report(self) -> dict:
         """Bytes allocated per layer and in total, by kind (codes, scales, norms, full_precision)."""
         layers = [dict(layer.memory_bytes(), layer=i) for i, layer in enumerate(self.layers)]

@@ -78,11 +78,11 @@ def _module(model, kind, cls=OscarExportableModule, batch=1):
 
 
 def _state(module):
-    return [t.clone() for layer in module.static_cache.layers for t in layer.state_tensors()]
+    return [t.clone() for t in module.static_cache.state_tensors()]
 
 
 def _set_state(module, state):
-    for dst, src in zip([t for layer in module.static_cache.layers for t in layer.state_tensors()], state):
+    for dst, src in zip(module.static_cache.state_tensors(), state):
         dst.copy_(src)
 
 

@@ -42,7 +42,7 @@ def setup():
     with torch.no_grad():
         module.prefill(ids[:, :PROMPT])
         for t in range(PROMPT, PROMPT + STEPS):
-            states.append([s.clone() for layer in module.static_cache.layers for s in layer.state_tensors()])
+            states.append([s.clone() for s in module.static_cache.state_tensors()])
             eager.append(module(ids[:, t:t + 1], torch.tensor([t])))
     assert module.static_cache.layers[0]._body_tokens_now() > 0
     yield model, make_cache, module, ids, states, eager
@@ -50,7 +50,7 @@ def setup():
 
 
 def _load_state(module, state):
-    for dst, src in zip([s for layer in module.static_cache.layers for s in layer.state_tensors()], state):
+    for dst, src in zip(module.static_cache.state_tensors(), state):
         dst.copy_(src)
 
 
