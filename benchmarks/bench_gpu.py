@@ -97,7 +97,8 @@ def sync(device):
 def make_layer(kind: str, sink: int, recent: int, seed: int = 0, head_dim: int = 128, kv_heads: int = 8):
     """An empty OscarLayer with OSCAR's layout (Hadamard-or-calibrated rotation, clipping, per-token groups,
     centring) or OScaR's (per-channel keys with token norms, per-token values)."""
-    from hf_kvint2 import OscarLayer, oscar_recipe, oscar_scaled_recipe
+    from hf_kvint2.layers import OscarLayer
+    from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
     from hf_kvint2.transforms import spectral_rotation
 
     if kind == "oscar":
@@ -159,7 +160,7 @@ def check_correctness(device, shapes, dry: bool) -> dict:
             err = (got.float() - ref.float()).abs().max().item()
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             # Quantize-and-pack: what the kernel stored for the newest body tokens vs the reference on the same input.
-            kb = layer.key_body
+            kb = layer.key_body.codec
             x = torch.randn(2, hkv, 64, d, device=device, dtype=dtype)
             lay = kb.layout
             qk, _ = kernels.quantize_stream(kb, x)
@@ -199,13 +200,13 @@ def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
     hq, hkv, d = shapes["hq"], shapes["hkv"], shapes["d"]
     dtype = torch.bfloat16
     layer = fill_layer(make_layer(kind, sink, recent, head_dim=d, kv_heads=hkv), batch, ctx, hkv, d, dtype, device)
-    kb, vb = layer.key_body, layer.value_body
+    kb, vb = layer.key_body.read(), layer.value_body.read()
     q = torch.randn(batch, hq, 1, d, device=device, dtype=dtype)
     scale = d ** -0.5
-    q_rot = q.float() @ kb.rotation
+    q_rot = q.float() @ kb.codec.rotation
     kml = None
-    if kb.mean is not None:
-        kml = (q.float().reshape(batch, hkv, hq // hkv, 1, d) * kb.mean[None, :, None, None]).sum(-1)
+    if kb.codec.mean is not None:
+        kml = (q.float().reshape(batch, hkv, hq // hkv, 1, d) * kb.codec.mean[None, :, None, None]).sum(-1)
         kml = kml.reshape(batch, hq, 1)
     t_body = timer(lambda: kernels.body_attention(q_rot, kb, vb, scaling=scale, key_mean_logits=kml,
                                                   dot_dtype=dtype), device)
@@ -245,7 +246,7 @@ def tune(shapes, device, ctx, sink, recent) -> dict:
             for per_sm in (2, 4, 8, 16):
                 decode_attention.TUNING.update(block_n=block_n, num_warps=num_warps, programs_per_sm=per_sm)
                 try:
-                    ms = timer(lambda: kernels.body_attention(q_rot, layer.key_body, layer.value_body, scaling=0.1,
+                    ms = timer(lambda: kernels.body_attention(q_rot, layer.key_body.read(), layer.value_body.read(), scaling=0.1,
                                                               dot_dtype=torch.bfloat16), device)
                 except Exception as e:  # noqa: BLE001 - a setting the compiler rejects (e.g. out of shared memory)
                     ms = None

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hf_kvint2 import OscarCache
-from hf_kvint2.calibration import LAYOUTS, CalibrationData, build_cache, collect_statistics, fit_layers
+from hf_kvint2.calibration import LAYOUTS, CalibrationData, collect_statistics, fit_layers
 from hf_kvint2.evaluation import (
     CALIBRATION_TEXT,
     EVAL_TEXT,
@@ -96,7 +96,7 @@ def main():
         data = CalibrationData.load(args.statistics)
     else:
         data = collect_statistics(model, tokenizer, [calib_text], num_tokens=args.num_tokens,
-                                  window=args.calib_window, **settings)
+                                  text_window=args.calib_window, **settings)
     seconds_stats = time.perf_counter() - start
     caches, choices_json = {}, {}
     for name, cand in VARIANTS.items():
@@ -109,15 +109,15 @@ def main():
                                "value_error": c.value_error} for c in choices]
 
     def factory(name):
-        data_, choices_ = caches[name]
-        return lambda cfg: build_cache(data_, choices_, cfg, **settings)
+        _, choices_ = caches[name]
+        return lambda cfg: OscarCache.from_choices(choices_, cfg, **settings)
 
     calibrated_name = "calibrated (per-layer choice)"
     caches_artifact = args.artifact
     if caches_artifact:
         loaded = OscarCache.from_pretrained(caches_artifact)
         choices_json[calibrated_name] = [{"layout": name, "key_clip": k.clip, "value_clip": v.clip} for name, (k, v)
-                                         in zip(loaded.layout_names, loaded.layer_layouts)]
+                                         in zip(loaded.calibration.layout_names, loaded.calibration.layer_layouts)]
 
     from transformers import DynamicCache
 

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     model, tokenizer, model_id, revision = load_model(args.model, args.revision, _DTYPES[args.dtype])
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
     cache = OscarCache.calibrate(
-        model, tokenizer, texts, num_tokens=args.num_tokens, window=args.window, fit_clip=not args.no_fit_clip,
+        model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window, fit_clip=not args.no_fit_clip,
         layouts=layouts, centering=(False,) if args.no_centering else (False, True),
         sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, data_description=", ".join(names),
         model_id=model_id, model_revision=revision, verbose=False)

@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from . import hub
+from .calibration import calibration_from_choices, fit_calibration, settings_from_choices
+from .calibration.run import print_summary
 from .distributed import resolve_shard, warn_if_undetectable
+from .hub import OSCAR_FORMAT, OSCAR_SCALED_FORMAT, ZOO_K_METHOD, ZOO_V_METHOD, CacheHubMixin, check_update
+from .hub.zoo import load_rotation_zoo
 from .layers import OscarLayer
-from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
-
-# Layer types whose KV the caches keep in full precision, bounded by the window (never quantized).
-_WINDOWED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-
-
-def _layer_types(config) -> list[str]:
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return list(types)
+from .model_config import WINDOWED_LAYER_TYPES, layer_types, model_shape, window_length
+from .recipes import LayerRecipe
+from .settings import OscarCalibration, OscarScaledSettings, OscarSettings, oscar_layer_recipe
 
 
-def _num_layers(config) -> int:
-    return config.get_text_config(decoder=True).num_hidden_layers
-
-
-class OscarCacheBase(hub.CacheHubMixin, Cache):
+class OscarCacheBase(Cache):
     """Shared mechanism: one :class:`OscarLayer` per full-attention layer, created eagerly from ``config`` or lazily
-    at the first ``update`` of each layer index."""
+    at the first ``update`` of each layer index, from ``recipe_for_layer(idx)``. Internal (the evaluation harness
+    builds baselines from it); the public caches add their settings and Hub I/O.
+
+    Tensor parallelism (transformers' ``tp_plan``): built with ``config=model.config`` of a sharded model, a cache
+    holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
+    group (``hf_kvint2.distributed.tp_group(model)``). See ``hf_kvint2.distributed``. ``artifact_info`` /
+    ``quality`` of the public caches are set by ``from_pretrained`` (the artifact's recorded shapes and card table).
+    """
+
+    artifact_info: dict | None = None  # the recorded model shapes of a loaded artifact (checked at first update)
 
     def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None, tp_group=None):
         self._recipe_for_layer = recipe_for_layer
@@ -38,23 +39,21 @@ class OscarCacheBase(hub.CacheHubMixin, Cache):
         self.shard = resolve_shard(config, tp_group)
         layers: list[CacheLayerMixin] = []
         if config is not None:
-            text_config = config.get_text_config(decoder=True)
-            for idx, layer_type in enumerate(_layer_types(config)):
+            for idx, layer_type in enumerate(layer_types(config)):
                 if layer_type == "full_attention":
                     layers.append(OscarLayer(recipe_for_layer(idx), idx, self.shard))
-                elif layer_type in _WINDOWED_LAYER_TYPES:
-                    window = getattr(text_config, "sliding_window", None) or text_config.attention_chunk_size
-                    layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+                elif layer_type in WINDOWED_LAYER_TYPES:
+                    layers.append(DynamicSlidingWindowLayer(sliding_window=window_length(config)))
                 else:
                     raise ValueError(
                         f"Layer {idx} of this model is of type {layer_type!r}, which {type(self).__name__} cannot "
-                        f"store (it quantizes 'full_attention' layers and keeps {_WINDOWED_LAYER_TYPES} windows in "
+                        f"store (it quantizes 'full_attention' layers and keeps {WINDOWED_LAYER_TYPES} windows in "
                         "full precision). Use transformers' DynamicCache for this model.")
         super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.artifact_info is not None:  # loaded from an artifact: check it fits this model (hub.check_update)
-            hub.check_update(self, key_states, layer_idx)
+            check_update(self, key_states, layer_idx)
         if not self.layers:
             warn_if_undetectable(self.config)
         while len(self.layers) <= layer_idx:
@@ -125,124 +124,122 @@ class OscarCacheBase(hub.CacheHubMixin, Cache):
         return row["bits_per_element"]
 
 
-def _per_layer(value, idx: int, name: str):
-    """A setting given once for all layers or as a per-layer sequence."""
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        if idx >= len(value):
-            raise ValueError(f"{name} has {len(value)} entries but the model has a layer {idx}: the calibration "
-                             "does not match this model's layer count.")
-        return value[idx]
-    return value
-
-
-class OscarScaledCache(OscarCacheBase):
+class OscarScaledCache(CacheHubMixin, OscarCacheBase):
     """OScaR (data-free): block Hadamard rotation, omni-token key scaling, INT2 keys per channel over token
     groups and values per token over channel groups, with a full-precision residual window.
 
     ``OscarScaledCache()`` creates its layers lazily; ``OscarScaledCache(config=model.config)`` creates them up
-    front (and keeps sliding-window layers in full precision). All settings are keyword arguments.
+    front (and keeps sliding-window layers in full precision). Settings: the fields of
+    :class:`~hf_kvint2.OscarScaledSettings` as keyword arguments (``recent_tokens=64``), or ``settings=``.
 
-    Tensor parallelism (transformers' ``tp_plan``): built with ``config=model.config`` of a sharded model, the cache
-    holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
-    group (``hf_kvint2.distributed.tp_group(model)``). See ``hf_kvint2.distributed``.
+    ``tp_group``, ``artifact_info``, ``quality``: see :class:`OscarCacheBase`.
     """
 
-    artifact_format = hub.OSCAR_SCALED_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hub.py
+    artifact_format = OSCAR_SCALED_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hf_kvint2.hub
+    settings_type = OscarScaledSettings
 
-    def __init__(self, config=None, *, sink_tokens: int = 0, recent_tokens: int = 128, group_size: int = 32,
-                 key_group_size: int | None = None, value_group_size: int | None = None,
-                 hadamard_block: int | None = None, token_scaling: bool = True,
-                 scale_dtype: torch.dtype = torch.float16, tp_group=None):
-        self.settings = {"sink_tokens": sink_tokens, "recent_tokens": recent_tokens, "group_size": group_size,
-                         "key_group_size": key_group_size, "value_group_size": value_group_size,
-                         "hadamard_block": hadamard_block, "token_scaling": token_scaling,
-                         "scale_dtype": scale_dtype}
-        recipe = oscar_scaled_recipe(**self.settings)
+    def __init__(self, config=None, *, settings: OscarScaledSettings | None = None, tp_group=None,
+                 artifact_info: dict | None = None, quality: list[dict] | None = None, **fields):
+        self.settings = _settings(OscarScaledSettings, settings, fields, type(self).__name__)
+        self.artifact_info, self.quality = artifact_info, quality
+        recipe = self.settings.recipe()
         super().__init__(lambda idx: recipe, config, tp_group)
 
     def __repr__(self):
         return f"OscarScaledCache({self.settings}, layers={len(self.layers)})"
 
 
-class OscarCache(OscarCacheBase):
+def _settings(settings_type, settings, fields: dict, owner: str):
+    """``settings`` or the settings built from keyword fields (not both); unknown names are refused."""
+    unknown = set(fields) - settings_type.field_names()
+    if unknown:
+        raise TypeError(f"{owner} got unknown settings {sorted(unknown)}; valid: {sorted(settings_type.field_names())}.")
+    if settings is None:
+        return settings_type(**fields)
+    if not isinstance(settings, settings_type):
+        raise TypeError(f"{owner}: settings must be a {settings_type.__name__}, got {type(settings).__name__}.")
+    return settings.replace(**fields) if fields else settings
+
+
+class OscarCache(CacheHubMixin, OscarCacheBase):
     """OSCAR: per-layer orthogonal rotations of keys and values (calibrated ``U H P``; normalised Hadamard until
     a calibration is given), row clipping, per-token INT2 over ``min(group_size, head_dim)`` channels,
     full-precision sink and recent windows.
 
-    Per-layer settings (``k_rotations``, ``v_rotations``, ``k_clip``, ``v_clip``, ``key_means``,
-    ``value_means``, ``layer_layouts``) are sequences indexed by layer; scalars apply to every layer.
+    Settings: the fields of :class:`~hf_kvint2.OscarSettings` as keyword arguments or ``settings=``. Calibration:
+    the fields of :class:`~hf_kvint2.OscarCalibration` as keyword arguments (``k_rotations``, ``v_rotations``,
+    ``key_means``, ``value_means``, ``layer_layouts``, ...: sequences indexed by layer) or ``calibration=``;
     ``layer_layouts`` entries are ``(key GroupLayout, value GroupLayout)`` pairs chosen by calibration.
 
-    Tensor parallelism (transformers' ``tp_plan``): built with ``config=model.config`` of a sharded model, the cache
-    holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
-    group (``hf_kvint2.distributed.tp_group(model)``). See ``hf_kvint2.distributed``.
+    ``tp_group``, ``artifact_info``, ``quality``: see :class:`OscarCacheBase`.
     """
 
-    artifact_format = hub.OSCAR_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hub.py
+    artifact_format = OSCAR_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hf_kvint2.hub
+    settings_type = OscarSettings
 
-    def __init__(self, config=None, *, k_rotations: Sequence[torch.Tensor] | None = None,
-                 v_rotations: Sequence[torch.Tensor] | None = None, k_clip: float | Sequence[float] | None = 0.96,
-                 v_clip: float | Sequence[float] | None = 0.92, sink_tokens: int = 64, recent_tokens: int = 256,
-                 group_size: int = 128, key_means: Sequence[torch.Tensor] | None = None,
-                 value_means: Sequence[torch.Tensor] | None = None,
-                 layer_layouts: Sequence[tuple[GroupLayout, GroupLayout]] | None = None,
-                 scale_dtype: torch.dtype = torch.float16, tp_group=None):
-        self.settings = {"k_clip": k_clip, "v_clip": v_clip, "sink_tokens": sink_tokens,
-                         "recent_tokens": recent_tokens, "group_size": group_size, "scale_dtype": scale_dtype}
-        self.k_rotations, self.v_rotations = k_rotations, v_rotations
-        self.key_means, self.value_means, self.layer_layouts = key_means, value_means, layer_layouts
+    def __init__(self, config=None, *, settings: OscarSettings | None = None,
+                 calibration: OscarCalibration | None = None, tp_group=None, artifact_info: dict | None = None,
+                 quality: list[dict] | None = None, **fields):
+        per_layer = {k: fields.pop(k) for k in list(fields) if k in OscarCalibration.PER_LAYER}
+        if per_layer:
+            calibration = dataclasses.replace(calibration or OscarCalibration(), **per_layer)
+        self.calibration = calibration or OscarCalibration()
+        self.settings = _settings(OscarSettings, settings, fields, type(self).__name__)
+        self.artifact_info, self.quality = artifact_info, quality
         if config is not None:
-            n = _num_layers(config)
-            for name, seq in (("k_rotations", k_rotations), ("v_rotations", v_rotations),
-                              ("key_means", key_means), ("value_means", value_means),
-                              ("layer_layouts", layer_layouts)):
-                if seq is not None and len(seq) != n:
-                    raise ValueError(f"{name} has {len(seq)} entries but the model has {n} layers: the "
-                                     "calibration does not match this model.")
-
-        def recipe_for_layer(idx: int) -> LayerRecipe:
-            layouts = _per_layer(layer_layouts, idx, "layer_layouts") if layer_layouts is not None else (None, None)
-            return oscar_recipe(
-                key_rotation=_per_layer(k_rotations, idx, "k_rotations") if k_rotations is not None else None,
-                value_rotation=_per_layer(v_rotations, idx, "v_rotations") if v_rotations is not None else None,
-                k_clip=_per_layer(k_clip, idx, "k_clip"), v_clip=_per_layer(v_clip, idx, "v_clip"),
-                sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                key_mean=_per_layer(key_means, idx, "key_means") if key_means is not None else None,
-                value_mean=_per_layer(value_means, idx, "value_means") if value_means is not None else None,
-                key_layout=layouts[0], value_layout=layouts[1], scale_dtype=scale_dtype)
-
-        super().__init__(recipe_for_layer, config, tp_group)
+            self.calibration.check_layers(model_shape(config).num_layers)
+        settings_now, calibration_now = self.settings, self.calibration
+        super().__init__(lambda idx: oscar_layer_recipe(settings_now, calibration_now, idx), config, tp_group)
         if self.shard is not None:  # fail before generate if the calibration cannot be split over the ranks
-            for name, seq in (("key_means", key_means), ("value_means", value_means)):
-                for idx, mean in enumerate(seq or ()):
+            for name in ("key_means", "value_means"):
+                for idx, mean in enumerate(getattr(self.calibration, name) or ()):
                     if mean is not None:
                         self.shard.head_slice(mean.shape[0], f"{name}[{idx}] of the calibration")
 
     def __repr__(self):
-        calibrated = self.k_rotations is not None
-        return f"OscarCache({self.settings}, calibrated={calibrated}, layers={len(self.layers)})"
+        return f"OscarCache({self.settings}, calibrated={self.calibration.calibrated}, layers={len(self.layers)})"
 
     @classmethod
-    def calibrate(cls, model, tokenizer, texts, num_tokens: int = 30000, window: int = 2048,
-                  **kwargs) -> OscarCache:
+    def calibrate(cls, model, tokenizer, texts, num_tokens: int = 30000, text_window: int = 2048, *,
+                  verbose: bool = True, **kwargs) -> OscarCache:
         """Calibrate OSCAR for ``model`` on ``texts`` (SPEC 3) and return a ready cache: spectral rotations,
         means, clip ratios and a per-layer layout chosen by measured attention-output error. Two streaming passes
-        over ``num_tokens`` tokens in windows of ``window``; see :func:`hf_kvint2.calibration.calibrate` for the
-        keyword arguments. Save it with ``save_pretrained``."""
-        from .calibration import calibrate
+        over ``num_tokens`` tokens in text windows of ``text_window`` tokens (the last ``fit_windows`` held back
+        for fitting). Keyword arguments (:func:`hf_kvint2.calibration.fit_calibration`): ``fit_clip``,
+        ``layouts``, ``centering``, ``clip_grid``, ``fit_windows``, ``fit_queries``, ``sink_tokens``,
+        ``recent_tokens``, ``group_size``, ``scale_dtype``, ``data_description``, ``model_id``,
+        ``model_revision``, ``value_pass`` (``"spill"`` keeps one window of keys/values on disk between the two
+        passes, ``"recompute"`` runs the model twice), ``spill_dir``, ``progress``. The cache carries
+        ``calibration_report`` (time, peak memory, choices, statistics: printed, not saved). Save it with
+        ``save_pretrained``."""
+        result = fit_calibration(model, tokenizer, texts, num_tokens=num_tokens, text_window=text_window, **kwargs)
+        cache = cls(model.config, settings=result.settings, calibration=result.calibration)
+        cache.calibration_report = result.report
+        if verbose:
+            print_summary(cache)
+        return cache
 
-        return calibrate(model, tokenizer, texts, num_tokens=num_tokens, window=window, **kwargs)
+    @classmethod
+    def from_choices(cls, choices, config=None, *, info: dict | None = None, **settings) -> OscarCache:
+        """A cache storing every layer as its :class:`~hf_kvint2.calibration.LayerChoice` says (``settings``:
+        ``sink_tokens``, ``recent_tokens``, ``group_size``, ``scale_dtype``)."""
+        return cls(config, settings=settings_from_choices(choices, **settings),
+                   calibration=calibration_from_choices(choices, info))
 
     @classmethod
     def from_rotation_zoo(cls, path_or_repo, *, subfolder: str | None = None, revision: str | None = None,
                           cache_dir=None, token=None, local_files_only: bool = False,
-                          k_method: str = hub.ZOO_K_METHOD, v_method: str = hub.ZOO_V_METHOD, config=None,
+                          k_method: str = ZOO_K_METHOD, v_method: str = ZOO_V_METHOD, config=None,
                           **overrides) -> OscarCache:
         """Import rotations from the reference OSCAR RotationZoo (a local folder or a Hub repo + ``subfolder``):
         ``k_rotation_<k_method>.pt`` and ``v_rotation_<v_method>.pt``, each ``{"format_version", "objective",
         "layers": {i: {"rotation" [d, d], "eigenvalues" [d]}}}``. Read with ``torch.load(weights_only=True)``
         only; rotations are checked for orthogonality. Clip ratios default to the reference 0.96 / 0.92;
         ``**overrides`` set any other setting. ``save_pretrained`` then writes it in hf_kvint2's format."""
-        return hub.load_rotation_zoo(cls, path_or_repo, subfolder=subfolder, revision=revision,
-                                     cache_dir=cache_dir, token=token, local_files_only=local_files_only,
-                                     k_method=k_method, v_method=v_method, config=config, **overrides)
+        calibration, info = load_rotation_zoo(path_or_repo, subfolder=subfolder, revision=revision,
+                                              cache_dir=cache_dir, token=token, local_files_only=local_files_only,
+                                              k_method=k_method, v_method=v_method, config=config)
+        unknown = set(overrides) - OscarSettings.field_names()
+        if unknown:
+            raise TypeError(f"{cls.__name__}.from_rotation_zoo got unknown settings {sorted(unknown)}.")
+        return cls(config, settings=OscarSettings(**overrides), calibration=calibration, artifact_info=info)

@@ -1,6 +1,7 @@
 """Numba CPU kernel for the INT2 body partial attention (optional: ``pip install hf-kvint2[cpu]``).
 
-Same contract as :func:`hf_kvint2.attention.body_attention_blocked` (its PyTorch reference and fallback). One
+Same contract as :func:`hf_kvint2.read_path.body_partial_blocked` (its PyTorch fallback; registered in
+:mod:`hf_kvint2.backends`). One
 parallel task per (batch row, KV head): each token's codes are read and dequantized once (in the rotated space)
 for all query rows of its GQA group (``groups * query_len`` rows), scores go to a per-task buffer of
 ``rows x tokens`` floats, then a second pass accumulates the softmax-weighted values, still in the rotated space.
@@ -14,6 +15,8 @@ import math
 
 import numpy as np
 import torch
+
+from .read_path import mask_to_additive
 
 _NUMBA = importlib.util.find_spec("numba") is not None
 
@@ -52,7 +55,6 @@ if _NUMBA:
             qt = q[b, h]
             scores = np.empty((n, rp), np.float32)  # [token, query row]
             x = np.empty(d, np.float32)
-            np.empty(rp, np.float32)
             # ---- scores
             if k_token_axis:
                 # lut[j * 256 + byte, r] = q_r . (codes in byte j): a token's dot product is d/4 lookups per group.
@@ -189,27 +191,25 @@ if _NUMBA:
                     lse[b, h, r] = neg_inf
 
 
-def _stream_arrays(stream, n: int, batch: int):
+def _body_arrays(body, batch: int):
     """(codes [B, H, cap, D/4] uint8, scale, lo as fp32 [B, H, rows, X], norm fp32 [B, n] or [B, 0]) as numpy."""
-    codes = stream.codes.data
-    if not codes.is_contiguous():
-        codes = codes.contiguous()
-    rows = n if stream.layout.axis == "token" else -(-n // stream.group)
-    scale = stream.scale.view()[:, :, :rows].float().contiguous()
-    lo = stream.lo.view()[:, :, :rows].float().contiguous()
-    norm = stream.norm.view()[:, :n].float().contiguous() if stream.norm is not None else torch.zeros(batch, 0)
+    n = body.tokens
+    codes = body.codes if body.codes.is_contiguous() else body.codes.contiguous()
+    rows = body.rows_for(n)
+    scale = body.scale[:, :, :rows].float().contiguous()
+    lo = body.lo[:, :, :rows].float().contiguous()
+    norm = body.norm[:, :n].float().contiguous() if body.norm is not None else torch.zeros(batch, 0)
     return codes.numpy(), scale.numpy(), lo.numpy(), norm.numpy()
 
 
-def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None):
-    """Numba body partial: ``(out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``, see the module docstring."""
-    from .attention import mask_to_additive
-
+def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None):
+    """Numba body partial over :class:`~hf_kvint2.stream.QuantizedBody` tokens: ``(out_rot [B, Hq, Lq, D] fp32,
+    lse [B, Hq, Lq] fp32)``, see the module docstring."""
     if not _NUMBA:
         raise ImportError("The Numba CPU kernel needs numba: pip install 'hf-kvint2[cpu]' (or 'numba>=0.59').")
     b, hq, lq, d = q_rot.shape
-    n = key_body.codes.rows if n_tokens is None else n_tokens
-    hkv = key_body.codes.data.shape[1]
+    n = key_body.tokens
+    hkv = key_body.codes.shape[1]
     rows = (hq // hkv) * lq
     padded = -(-rows // LANES) * LANES
     q = torch.zeros(b, hkv, padded, d)
@@ -224,8 +224,8 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
         if add.dim() != 4 or add.shape[1] != 1:
             raise ValueError(f"The body mask must broadcast to [batch, 1, query_len, tokens], got {tuple(add.shape)}.")
         add = add.expand(b, 1, add.shape[2], n).reshape(b, -1, n).contiguous()
-    kc, ks, kl, kn = _stream_arrays(key_body, n, b)
-    vc, vs, vl, vn = _stream_arrays(value_body, n, b)
+    kc, ks, kl, kn = _body_arrays(key_body, b)
+    vc, vs, vl, vn = _body_arrays(value_body, b)
     out = torch.empty(b, hkv, padded, d)
     lse = torch.empty(b, hkv, padded)
     torch_threads = torch.get_num_threads()

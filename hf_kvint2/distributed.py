@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .model_config import model_shape
+
 
 def _distributed_tp_size(config) -> int:
     """The tensor-parallel degree transformers recorded on the model config (1 if it was not sharded)."""
@@ -30,9 +32,7 @@ def _distributed_tp_size(config) -> int:
 
 
 def global_kv_heads(config) -> int:
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    return int(heads)
+    return int(model_shape(config).num_key_value_heads)
 
 
 def tp_group(model) -> dist.ProcessGroup | None:

@@ -1,5 +1,8 @@
 """Quality evaluation of KV caches: chunked teacher-forced decode perplexity, passkey retrieval, greedy agreement.
 
+(Over 400 lines on purpose: one benchmark harness - the compared methods, the stacked cache that batches them and
+the protocols that use it - read together by benchmarks/quality.py; nothing in the library imports it.)
+
 Every protocol compares several cache *methods* side by side in one run. A method is a factory returning a fresh
 ``transformers.Cache`` for a model config. To use the CPU well, all methods run in ONE batched forward per step:
 :class:`StackedCache` routes each block of batch rows to its own cache (rows never interact in the model, so each
@@ -26,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
+from .model_config import model_shape
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe
 
 EVAL_TEXT = "emma.txt"  # never the calibration text (prideprejudice.txt)
@@ -69,11 +73,6 @@ class CacheMethod:
     description: str = ""
 
 
-def head_dim_of(config) -> int:
-    cfg = config.get_text_config(decoder=True)
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
 def engine_cache(recipe: LayerRecipe, config) -> OscarCacheBase:
     """A cache of this library's engine with the same recipe in every layer (used for the baselines)."""
     return OscarCacheBase(lambda idx: recipe, config)
@@ -107,7 +106,7 @@ def standard_methods(config, calibrated: Callable[[object], OscarCache] | None =
                      transformers_backends: tuple[str, ...] = ("hqq", "quanto")) -> list[CacheMethod]:
     """The methods compared in the quality benchmark. ``calibrated(config)`` loads a fresh calibrated OscarCache
     with eager layers; without it the calibrated rows are left out."""
-    d = head_dim_of(config)
+    d = model_shape(config).head_dim
     methods = [
         CacheMethod("fp", "full precision", lambda cfg: DynamicCache(config=cfg), True, "DynamicCache"),
         CacheMethod("oscar_scaled", "OScaR (OscarScaledCache)", lambda cfg: OscarScaledCache(config=cfg), True,
@@ -165,8 +164,8 @@ def cache_bits_per_element(cache: Cache, config, batch_size: int) -> float:
     zero points) is counted."""
     if isinstance(cache, OscarCacheBase):
         return cache.bits_per_element()
-    cfg = config.get_text_config(decoder=True)
-    per_token = 2 * batch_size * cfg.num_key_value_heads * head_dim_of(config)
+    shape = model_shape(config)
+    per_token = 2 * batch_size * shape.num_key_value_heads * shape.head_dim
     total_bytes, elements = 0, 0
     for idx, layer in enumerate(cache.layers):
         if not getattr(layer, "is_initialized", False):
@@ -180,11 +179,11 @@ def cache_bits_per_element(cache: Cache, config, batch_size: int) -> float:
 
 
 def _filled_bits(method: CacheMethod, config, tokens: int, seed: int, dtype: torch.dtype) -> float:
-    cfg = config.get_text_config(decoder=True)
-    heads, d = cfg.num_key_value_heads, head_dim_of(config)
+    shape = model_shape(config)
+    heads, d = shape.num_key_value_heads, shape.head_dim
     cache = method.make_cache(config)
     gen = torch.Generator().manual_seed(seed)
-    for idx in range(cfg.num_hidden_layers):
+    for idx in range(shape.num_layers):
         k, v = (torch.randn(1, heads, tokens, d, generator=gen).to(dtype) for _ in range(2))
         cache.update(k, v, idx)
     return cache_bits_per_element(cache, config, 1)
@@ -247,10 +246,6 @@ class StackedCache(Cache):
         super().__init__(layers=[_StackedLayer(parts, i) for i in range(num_layers)])
 
 
-def _num_layers(config) -> int:
-    return config.get_text_config(decoder=True).num_hidden_layers
-
-
 @torch.no_grad()
 def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = None):
     """Run the prompt ``ids`` [B, T] once at full precision. Returns (per-layer [(K, V)], last-position logits [B, V])."""
@@ -281,7 +276,7 @@ def stacked_caches(methods: list[CacheMethod], config, rows_per_method: int, pre
                     cache.update(k[local], v[local], idx)
             parts.append((cache, rows))
         start += rows_per_method
-    return StackedCache(parts, _num_layers(config))
+    return StackedCache(parts, model_shape(config).num_layers)
 
 
 # ---------------------------------------------------------------------------------------------------- perplexity

@@ -27,7 +27,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import ATTN_IMPLEMENTATION
-from .static_cache import ATTENTION_BLOCK_TOKENS, StaticOscarCache, StaticOscarLayer, static_cache_like
+from .cache import OscarCache
+from .model_config import model_shape
+from .read_path import BODY_BLOCK_TOKENS
+from .static_cache import StaticOscarCache, static_cache_like
+from .static_layer import StaticOscarLayer
 
 
 def _attention_modules(model) -> dict[int, torch.nn.Module]:
@@ -95,28 +99,25 @@ class OscarExportableModule(torch.nn.Module):
     _state_as_buffers = True  # the functional ONNX form takes the state as inputs instead
 
     def __init__(self, model, cache=None, *, max_cache_len: int, batch_size: int = 1, device=None,
-                 attention_block: int = ATTENTION_BLOCK_TOKENS):
+                 attention_block: int = BODY_BLOCK_TOKENS):
         super().__init__()
-        from .cache import OscarCache
-
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}.")
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
         self.train(model.training)  # the wrapper is in the model's mode (exporters check the root module's)
-        text_config = model.config.get_text_config(decoder=True)
         cache = OscarCache(config=model.config) if cache is None else cache
         self.static_cache = static_cache_like(cache, model.config, max_cache_len, attention_block)
         self.max_cache_len, self.batch_size = max_cache_len, batch_size
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        shape = model_shape(model.config)
         device = device if device is not None else model.device
         for layer in self.static_cache.layers:
             if layer.is_initialized and (layer.batch_size != batch_size or layer.device != torch.device(device)):
                 raise ValueError(f"The static cache was allocated for batch {layer.batch_size} on {layer.device}; "
                                  f"this module runs batch {batch_size} on {device}.")
-        self.static_cache.early_initialization(batch_size, kv_heads, head_dim, model.dtype, device)
+        self.static_cache.early_initialization(batch_size, shape.num_key_value_heads, shape.head_dim, model.dtype,
+                                              device)
         for i, layer in enumerate(self.static_cache.layers if self._state_as_buffers else ()):
             for name in layer.state_names():
                 self.register_buffer(f"cache_{i}_{name}", getattr(layer, name), persistent=False)
@@ -207,7 +208,7 @@ def _example_inputs(module: OscarExportableModule):
 
 
 def export_decoder(model, cache=None, *, max_cache_len: int, batch_size: int = 1, device=None,
-                   attention_block: int = ATTENTION_BLOCK_TOKENS, strict: bool = False,
+                   attention_block: int = BODY_BLOCK_TOKENS, strict: bool = False,
                    module: OscarExportableModule | None = None) -> torch.export.ExportedProgram:
     """``torch.export`` the 1-token decode step of ``model`` with a static Oscar cache (see
     :class:`OscarExportableModule` for the arguments; ``module``: export an existing one instead). The program
@@ -288,7 +289,7 @@ class OnnxDecoderSpec:
 
 
 def export_onnx(model, path, cache=None, *, max_cache_len: int, batch_size: int = 1,
-                attention_block: int = ATTENTION_BLOCK_TOKENS, opset_version: int | None = None,
+                attention_block: int = BODY_BLOCK_TOKENS, opset_version: int | None = None,
                 optimize: bool = False) -> OnnxDecoderSpec:
     """Write the decode step as an ONNX graph (``torch.onnx.export(..., dynamo=True)``, pip install
     ``hf-kvint2[export]``). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state

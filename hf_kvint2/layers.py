@@ -15,13 +15,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import kernels
-from .attention import LayerStep
 from .distributed import TensorParallelShard
-from .quant import QuantizedGroups, as_stored, dequantize_int2, quantize_int2, tracing
-from .recipes import GroupLayout, LayerRecipe
-from .storage import TokenBuffer
-from .transforms import block_hadamard_matrix, check_orthogonal, clip_rows
+from .quant import tracing
+from .recipes import LayerRecipe
+from .steps import LayerStep
+from .stream import QuantizedStream, StreamCodec
+from .transforms import block_hadamard_matrix, check_orthogonal
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
@@ -53,92 +52,6 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
                          "(check the model's dtype: fp16 overflow is a common cause).")
 
 
-class QuantizedStream:
-    """The INT2 body of one of K or V: packed codes, group scales/offsets and (optionally) token norms."""
-
-    def __init__(self, layout: GroupLayout, group: int, rotation: torch.Tensor, mean: torch.Tensor | None,
-                 scale_dtype: torch.dtype, shard: TensorParallelShard | None = None):
-        self.layout, self.group, self.rotation, self.mean, self.scale_dtype = layout, group, rotation, mean, scale_dtype
-        self.shard = shard  # tensor parallelism: this rank holds a slice of the heads the token norm runs over
-        self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
-        self.norm = TokenBuffer(1) if layout.token_scaling else None
-
-    def buffers(self) -> list[TokenBuffer]:
-        return [b for b in (self.codes, self.scale, self.lo, self.norm) if b is not None]
-
-    def transform(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Original-space x [B, H, n, D] -> (rotated, scaled, clipped float32 x, stored norms [B, n] or None)."""
-        xf = x.float()
-        if self.mean is not None:
-            xf = xf - self.mean[None, :, None, :]
-        xr = xf @ self.rotation
-        norm = None
-        if self.norm is not None:
-            # Omni-token norm over all heads and channels; divide by the *stored* (rounded) value so that
-            # multiplying back on read is exact. Zero rows (padding) keep norm 1.
-            # Float64 sum of squares: a tensor-parallel all-reduce of per-rank partial sums then rounds to the
-            # same stored norm as a single process.
-            squared = xr.double().square().sum(dim=(1, 3))
-            if self.shard is not None:
-                self.shard.all_reduce_sum(squared)
-            norm = squared.sqrt().to(self.scale_dtype)
-            norm = torch.where(as_stored(norm) > 0, norm, torch.ones_like(norm))
-            xr = xr / as_stored(norm)[:, None, :, None]
-        return clip_rows(xr, self.layout.clip), norm
-
-    def quantize(self, x: torch.Tensor) -> tuple[QuantizedGroups, torch.Tensor | None]:
-        """What the stream stores for original-space x [B, H, n, D]: INT2 groups and norms (or None)."""
-        xt, norm = self.transform(x)
-        return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype), norm
-
-    def append(self, x: torch.Tensor) -> None:
-        if self.shard is None and kernels.kernels_enabled_for(x):  # CUDA: fused Triton transform + pack
-            q, norm = kernels.quantize_stream(self, x)
-        else:
-            q, norm = self.quantize(x)
-        self.codes.append(q.codes)
-        self.scale.append(q.scale)
-        self.lo.append(q.lo)
-        if norm is not None:
-            self.norm.append(norm)
-
-    def dequantize(self, rotated: bool = False) -> torch.Tensor:
-        """Float32 body [B, H, T, D]: in the transformed space if ``rotated`` (norms applied), else original."""
-        q = QuantizedGroups(self.codes.view(), self.scale.view(), self.lo.view())
-        return self.dequantize_groups(q, None if self.norm is None else self.norm.view(), rotated)
-
-    def dequantize_groups(self, q: QuantizedGroups, norm: torch.Tensor | None, rotated: bool = False) -> torch.Tensor:
-        """Float32 [B, H, T, D] from groups and norms [B, T] stored by this stream (its own buffers or, for the
-        static caches, fixed-size ones): in the transformed space if ``rotated`` (norms applied), else original."""
-        x = dequantize_int2(q, self.layout.axis, self.group)
-        if norm is not None:
-            x = x * norm.float()[:, None, :, None]
-        return x if rotated else self.unrotate(x)
-
-    def unrotate(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
-        """Rotated-space x [B, H, T, D] back to the original space (``x R^T + mean``). ``groups > 1``: x has one
-        row per query head (``H = kv_heads * groups``, query head h reads KV head h // groups), as attention
-        outputs do."""
-        x = x @ self.rotation.T
-        if self.mean is not None:
-            x = x + self.mean.repeat_interleave(groups, dim=0)[None, :, None, :]
-        return x
-
-    def mean_logits(self, q: torch.Tensor, groups: int) -> torch.Tensor | None:
-        """``q . mean`` [B, Hq, L] for queries q [B, Hq, L, D] (keys are stored centred), or None without a mean."""
-        if self.mean is None:
-            return None
-        return (q @ self.mean.repeat_interleave(groups, dim=0).unsqueeze(-1)).squeeze(-1)
-
-    def truncate(self, tokens: int) -> None:
-        rows = tokens // self.group if self.layout.axis == "channel" else tokens
-        self.scale.truncate(rows)
-        self.lo.truncate(rows)
-        self.codes.truncate(tokens)
-        if self.norm is not None:
-            self.norm.truncate(tokens)
-
-
 class OscarLayer(CacheLayerMixin):
     """A transformers cache layer storing K/V as sink + INT2 body + recent window, per a :class:`LayerRecipe`."""
 
@@ -150,7 +63,7 @@ class OscarLayer(CacheLayerMixin):
         super().__init__()
         self.recipe = recipe
         self.layer_idx = layer_idx
-        self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.attention)
+        self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.steps)
         self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
         self._clear()
 
@@ -201,7 +114,7 @@ class OscarLayer(CacheLayerMixin):
             if layout.axis == "token" and d % group:
                 raise ValueError(f"head_dim={d} is not a multiple of the {kind} group size {group}; "
                                  f"use a group size dividing {d}.")
-            streams.append(QuantizedStream(layout, group, rot, mean, r.scale_dtype, self.shard))
+            streams.append(QuantizedStream(StreamCodec(layout, group, rot, mean, r.scale_dtype, self.shard)))
         self.key_body, self.value_body = streams
         empty = key_states.new_empty(b, h, 0, d)
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
@@ -229,10 +142,10 @@ class OscarLayer(CacheLayerMixin):
             self._truncate_body(self.body_len)
             raise ValueError(f"{self._name}: {err}") from err
         self.seq_len += n_new
+        # Once the "oscar" attention reads this layer, zero-storage placeholders it reads the codes through (other
+        # attention implementations still get the full view from them); else the full view itself (hf_kvint2.steps).
         step = LayerStep(self, key_states, value_states)
-        # Once the "oscar" attention reads this layer, return zero-storage placeholders it reads the codes through
-        # (other attention implementations still get the full view from them); else the full view itself.
-        return step.deferred_output() if self.fused_attention else step.portable_output()
+        return step.output(like=step.tail_k)
 
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
@@ -252,10 +165,6 @@ class OscarLayer(CacheLayerMixin):
         if self.body_len == 0:
             return self.sink_k[:, :, :0], self.sink_v[:, :, :0]
         return (self.key_body.dequantize().to(self.dtype), self.value_body.dequantize().to(self.dtype))
-
-    def _full_precision_view(self, key_states, value_states):
-        """Portable path: every stored token (body dequantized), with the current chunk at full precision."""
-        return LayerStep(self, key_states, value_states).materialize()
 
     # ------------------------------------------------------------------ transformers contract
     def get_seq_length(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,7 +55,6 @@ class LayerRecipe:
     key_mean: torch.Tensor | None = None  # [kv_heads, d], subtracted before the rotation (lossless centering)
     value_mean: torch.Tensor | None = None
     check_finite: bool = True
-    extra: dict = field(default_factory=dict)  # free-form provenance (e.g. the calibrated layout name)
 
     def __post_init__(self):
         for name in ("sink_tokens", "recent_tokens"):

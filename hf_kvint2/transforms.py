@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .quant import as_stored
+
 
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -103,3 +105,28 @@ def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
         return x
     tau = row_quantile(x.abs(), ratio)
     return torch.minimum(torch.maximum(x, -tau), tau)
+
+
+def transform_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, *, clip: float | None,
+                     token_scaling: bool, scale_dtype: torch.dtype,
+                     all_reduce_sum=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The write path's transform of original-space tokens x [B, H, n, D]: centre, rotate, omni-token scale,
+    clip. Returns (float32 transformed x, stored norms [B, n] in ``scale_dtype`` or None).
+
+    The omni-token norm runs over all heads and channels; x is divided by the *stored* (rounded) value so that
+    multiplying back on read is exact, and zero rows (padding) keep norm 1. The sum of squares is float64 so that a
+    tensor-parallel ``all_reduce_sum`` of per-rank partial sums rounds to the same stored norm as one process.
+    """
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean[None, :, None, :]
+    xr = xf @ rotation
+    norm = None
+    if token_scaling:
+        squared = xr.double().square().sum(dim=(1, 3))
+        if all_reduce_sum is not None:
+            all_reduce_sum(squared)
+        norm = squared.sqrt().to(scale_dtype)
+        norm = torch.where(as_stored(norm) > 0, norm, torch.ones_like(norm))
+        xr = xr / as_stored(norm)[:, None, :, None]
+    return clip_rows(xr, clip), norm

@@ -11,10 +11,10 @@ Two kernels, both optional (``pip install hf-kvint2[triton]``) and used for CUDA
   layout the caches store (per-token or per-channel groups, any group size, token norms on K or V, centred keys),
   GQA-aware: one program reads each code once for all query heads of its KV head. Returns the body's partial
   result ``(out_rot, lse)``: the softmax-normalised output *in the rotated value space* (without the value
-  mean) and the log-sum-exp of the body's scores, so a caller merges segments with :func:`merge_partials` and
-  de-rotates once: ``out = out_rot @ R_V.T + mu_V``.
-* :func:`layer_decode_attention` - a whole decode step of one :class:`~hf_kvint2.layers.OscarLayer`: rotate q,
-  body kernel, de-rotate, full-precision sink/recent segments, log-sum-exp merge. Same result as SDPA over the
+  mean) and the log-sum-exp of the body's scores, so a caller merges segments
+  (:func:`hf_kvint2.read_path.merge_partials`) and de-rotates once: ``out = out_rot @ R_V.T + mu_V``.
+* :func:`layer_decode_attention` - a whole decode step of one :class:`~hf_kvint2.layers.OscarLayer`: the shared
+  read pipeline (:func:`hf_kvint2.read_path.attend_segments`) with this body kernel. Same result as SDPA over the
   layer's dequantized cache (see :func:`reference_layer_attention`).
 
 Scores follow SDPA: ``s = scaling * q.k + mask`` (bool mask: True attends; float mask: added). For the body,
@@ -31,14 +31,13 @@ kernels run on CPU tensors (tests/conftest.py sets it when no GPU is present). G
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
-# The PyTorch references import hf_kvint2.layers, which imports this package: load them on first use (PEP 562).
-# (This also keeps a stray top-level import of this folder as ``kernels`` - Python run from the repository root
-# puts it on sys.path, and transformers probes for the Hub ``kernels`` package - free of side effects.)
-_REFERENCES = ("merge_partials", "reference_body_attention", "reference_layer_attention", "reference_quantize_tokens")
+# The references import hf_kvint2 (absolute imports); they load on first use (PEP 562), so that a stray top-level
+# import of this folder as ``kernels`` stays free of side effects: Python run from the repository root puts it on
+# sys.path, and transformers imports ``kernels`` while it probes for the Hub package of that name.
+_REFERENCES = ("layer_mask", "reference_layer_attention", "reference_quantize_tokens")
 
 
 def __getattr__(name):
@@ -53,10 +52,9 @@ __all__ = [
     "body_attention",
     "kernels_enabled_for",
     "layer_decode_attention",
-    "merge_partials",
+    "layer_mask",
     "quantize_stream",
     "quantize_tokens",
-    "reference_body_attention",
     "reference_layer_attention",
     "reference_quantize_tokens",
     "triton_available",
@@ -66,10 +64,6 @@ __all__ = [
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported."""
     return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def kernels_enabled_for(t: torch.Tensor) -> bool:
@@ -98,22 +92,23 @@ def quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling,
                 scale_dtype=scale_dtype)
 
 
-def quantize_stream(stream, x):
-    """:func:`quantize_tokens` with the settings of a :class:`~hf_kvint2.layers.QuantizedStream`."""
-    lay = stream.layout
-    return quantize_tokens(x, stream.rotation, stream.mean, axis=lay.axis, group_size=stream.group, clip=lay.clip,
-                           token_scaling=lay.token_scaling, scale_dtype=stream.scale_dtype)
+def quantize_stream(codec, x):
+    """:func:`quantize_tokens` with the settings of a :class:`~hf_kvint2.stream.StreamCodec`."""
+    lay = codec.layout
+    return quantize_tokens(x, codec.rotation, codec.mean, axis=lay.axis, group_size=codec.group, clip=lay.clip,
+                           token_scaling=lay.token_scaling, scale_dtype=codec.scale_dtype)
 
 
-def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None,
-                   num_splits=None, dot_dtype=None):
-    """Partial attention of rotated queries over a layer's INT2 body.
+def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None, num_splits=None,
+                   dot_dtype=None, block_n=None):
+    """Partial attention of rotated queries over INT2 body tokens (the ``"triton"`` body backend of
+    :mod:`hf_kvint2.backends`).
 
     q_rot: [B, Hq, Lq, D], the queries already rotated by the key rotation (``q.float() @ R_K``).
-    key_body / value_body: the layer's :class:`~hf_kvint2.layers.QuantizedStream` objects.
-    n_tokens: attend body tokens ``[0, n_tokens)`` (default: all).
+    key_body / value_body: :class:`~hf_kvint2.stream.QuantizedBody` views (e.g. ``layer.key_body.read()``); their
+    ``tokens`` are attended.
     key_mean_logits: [B, Hq, Lq], ``q . mu_K`` (unscaled, original-space q) for centred keys, else None.
-    mask: None, or bool (True attends) / additive float, broadcastable to [B, 1, Lq, n_tokens] (body columns).
+    mask: None, or bool (True attends) / additive float, broadcastable to [B, 1, Lq, tokens] (body columns).
     num_splits: token splits per (batch, KV head); default fills the GPU a few times over.
     dot_dtype: operand dtype of the in-kernel matrix products (fp32 accumulation). Default ``q_rot.dtype``; pass
         the model's dtype (``query.dtype``) with an fp32 ``q_rot`` so bf16/fp16 models use tensor cores - IEEE fp32
@@ -124,8 +119,8 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     _require_triton()
     from .decode_attention import body_attention as impl
 
-    return impl(q_rot, key_body, value_body, n_tokens=n_tokens, scaling=scaling, key_mean_logits=key_mean_logits,
-                mask=mask, num_splits=num_splits, dot_dtype=dot_dtype)
+    return impl(q_rot, key_body, value_body, scaling=scaling, key_mean_logits=key_mean_logits, mask=mask,
+                num_splits=num_splits, dot_dtype=dot_dtype, block_n=block_n)
 
 
 def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_splits=None):

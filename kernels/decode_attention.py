@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import _softmax_partial, layer_mask, merge_partials
+from hf_kvint2.read_path import attend_segments
+
+from .reference import layer_mask
 
 # Launch settings of the decode kernel (benchmarks/bench_gpu.py sweeps them): tokens per tile, warps per program,
 # and how many programs per SM the split-K grid aims at.
@@ -232,12 +234,11 @@ def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, num_split
     tl.store(merged_lse_ptr + row, tl.where(has, m_ref + tl.log(tl.where(has, total, 1.0)), float("-inf")))
 
 
-def _stream_tensors(stream, n_tokens: int):
-    """(codes, scale, lo, norm) views of a QuantizedStream with a unit last stride."""
+def _body_tensors(body):
+    """(codes, scale, lo, norm) of a QuantizedBody with a unit last stride."""
     def unit(t):
         return t if t is None or t.stride(-1) == 1 else t.contiguous()
-    norm = stream.norm.view() if stream.norm is not None else None
-    return unit(stream.codes.view()), unit(stream.scale.view()), unit(stream.lo.view()), unit(norm)
+    return unit(body.codes), unit(body.scale), unit(body.lo), unit(body.norm)
 
 
 def _sm_count(device) -> int:
@@ -246,22 +247,21 @@ def _sm_count(device) -> int:
     return 1
 
 
-def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None,
-                   num_splits=None, dot_dtype=None, block_n=None):
+def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None, num_splits=None,
+                   dot_dtype=None, block_n=None):
     """See :func:`hf_kvint2.kernels.body_attention`."""
     if q_rot.dim() != 4:
         raise ValueError(f"q_rot must be [batch, q_heads, q_len, head_dim], got {tuple(q_rot.shape)}.")
     b, hq, lq, d = q_rot.shape
-    body_len = 0 if key_body.codes.view() is None else key_body.codes.view().shape[2]
-    n = body_len if n_tokens is None else n_tokens
-    if not 0 <= n <= body_len:
-        raise ValueError(f"n_tokens={n_tokens} is outside the body's {body_len} tokens.")
+    n, held = key_body.tokens, key_body.codes.shape[2]
+    if not 0 <= n <= held:
+        raise ValueError(f"tokens={n} is outside the body's {held} stored tokens.")
     out = torch.zeros(b, hq, lq, d, dtype=torch.float32, device=q_rot.device)
     lse = torch.full((b, hq, lq), float("-inf"), dtype=torch.float32, device=q_rot.device)
     if n == 0:
         return out, lse
-    kc, ks, kl, kn = _stream_tensors(key_body, n)
-    vc, vs, vl, vn = _stream_tensors(value_body, n)
+    kc, ks, kl, kn = _body_tensors(key_body)
+    vc, vs, vl, vn = _body_tensors(value_body)
     hkv = kc.shape[1]
     if kc.shape[0] != b or kc.shape[-1] * 4 != d or hq % hkv:
         raise ValueError(f"Queries {tuple(q_rot.shape)} do not fit the body's codes {tuple(kc.shape)} (batch, "
@@ -319,34 +319,16 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
 
 
 def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_splits=None, block_n=None):
-    """See :func:`hf_kvint2.kernels.layer_decode_attention`."""
-    b, hq, lq, d = query.shape
+    """See :func:`hf_kvint2.kernels.layer_decode_attention`: the shared read pipeline with this body kernel."""
+    lq = query.shape[2]
     n_sink, n_body, n_recent = layer.sink_k.shape[2], layer.body_len, layer.recent_k.shape[2]
-    tkv = n_sink + n_body + n_recent
     if n_body and lq > n_recent:
         raise ValueError(f"{lq} query tokens but only {n_recent} keys in the recent window: part of this chunk was "
                          "already quantized, so it cannot be attended at full precision by a decode step. Attend "
                          "fresh chunks with SDPA (prefill) instead.")
-    hkv = layer.sink_k.shape[1]
-    qf = query.float()
-    parts = []
-    if n_body:
-        kb, vb = layer.key_body, layer.value_body
-        qmu = None
-        if kb.mean is not None:
-            qmu = (qf.reshape(b, hkv, hq // hkv, lq, d) * kb.mean[None, :, None, None, :]).sum(-1).reshape(b, hq, lq)
-        body_mask = None if attention_mask is None else attention_mask[..., n_sink:n_sink + n_body]
-        out_rot, lse = body_attention(qf @ kb.rotation, kb, vb, n_tokens=n_body, scaling=scaling,
-                                      key_mean_logits=qmu, mask=body_mask, num_splits=num_splits,
-                                      dot_dtype=query.dtype, block_n=block_n)
-        parts.append((vb.unrotate(out_rot, hq // hkv), lse))
-    # Full-precision segments (sink and recent: at most a few hundred tokens) in plain PyTorch.
-    k_fp = torch.cat([layer.sink_k, layer.recent_k], dim=2).float()
-    v_fp = torch.cat([layer.sink_v, layer.recent_v], dim=2).float()
-    full = layer_mask(attention_mask, lq, tkv, query.device)
-    fp_mask = torch.cat([full[..., :n_sink], full[..., n_sink + n_body:]], dim=-1)
-    scores = scaling * (qf.reshape(b, hkv, hq // hkv, lq, d) @ k_fp.unsqueeze(2).transpose(-1, -2))
-    out_fp, lse_fp = _softmax_partial(scores + fp_mask.unsqueeze(1), v_fp.unsqueeze(2))
-    parts.append((out_fp.reshape(b, hq, lq, d), lse_fp.reshape(b, hq, lq)))
-    out, _ = merge_partials(*parts)
-    return out.to(query.dtype)
+    mask = layer_mask(attention_mask, lq, n_sink + n_body + n_recent, query.device)
+    before = [(layer.sink_k, layer.sink_v, mask[..., :n_sink])] if n_sink else []
+    after = [(layer.recent_k, layer.recent_v, mask[..., n_sink + n_body:])]
+    return attend_segments(query, before, layer.key_body.read(n_body), layer.value_body.read(n_body),
+                           mask[..., n_sink:n_sink + n_body], after, scaling, body_attention, num_splits=num_splits,
+                           dot_dtype=query.dtype, block_n=block_n)

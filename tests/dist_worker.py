@@ -145,12 +145,13 @@ def calibration_scenario(model_dir: str, tensor_parallel: bool, save_dir: str) -
                                  layouts=("spectral", "channel"), progress=False, verbose=False, **SETTINGS)
     tensors = {}
     for name in ("k_rotations", "v_rotations", "key_means", "value_means", "k_eigenvalues", "v_eigenvalues"):
-        for idx, t in enumerate(getattr(cache, name)):
+        for idx, t in enumerate(getattr(cache.calibration, name)):
             if t is not None:
                 tensors[f"calib.{name}.{idx}"] = t.float()
     folder = cache.save_pretrained(save_dir)
-    info = {"layout_names": cache.layout_names, "clips": [cache.settings["k_clip"], cache.settings["v_clip"]],
-            "num_key_value_heads": cache.calibration_info["num_key_value_heads"],
+    info = {"layout_names": list(cache.calibration.layout_names),
+            "clips": [list(cache.settings.k_clip), list(cache.settings.v_clip)],
+            "num_key_value_heads": cache.calibration.info["num_key_value_heads"],
             "wrote": (Path(folder) / "config.json").exists()}
     return tensors, info
 

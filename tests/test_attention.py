@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_kvint2
-from hf_kvint2 import OscarCache, OscarScaledCache, attention, cpu_kernels
+from hf_kvint2 import OscarCache, OscarScaledCache, attention, backends, cpu_kernels, read_path, steps
 from hf_kvint2.layers import OscarLayer
 from hf_kvint2.recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
 
@@ -52,13 +52,18 @@ def _generate(model, cache, ids, mask, **kw):
 
 def _count_body_calls(monkeypatch):
     calls = []
-    original = attention.body_attention
+    original = backends.select_body_partial
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("n_tokens"))
-        return original(*args, **kwargs)
+    def select(*args, **kwargs):
+        backend = original(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "body_attention", spy)
+        def run(q_rot, key_body, value_body, **kw):
+            calls.append(key_body.tokens)
+            return backend.run(q_rot, key_body, value_body, **kw)
+
+        return backends.BodyBackend(backend.name, backend.device_type, backend.available, run)
+
+    monkeypatch.setattr(steps, "select_body_partial", select)
     return calls
 
 
@@ -137,7 +142,7 @@ def test_other_cache_or_none_is_sdpa(tiny_model):
 
 
 def test_portable_path_warns_once(tiny_model, monkeypatch):
-    monkeypatch.setitem(attention._portable_warning, "issued", False)
+    monkeypatch.setitem(steps._portable_warning, "issued", False)
     ids, mask = _left_padded()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -147,7 +152,7 @@ def test_portable_path_warns_once(tiny_model, monkeypatch):
     ours = [w for w in caught if "hf_kvint2" in str(w.message)]
     assert len(ours) == 1 and 'attn_implementation="oscar"' in str(ours[0].message)
 
-    monkeypatch.setitem(attention._portable_warning, "issued", False)
+    monkeypatch.setitem(steps._portable_warning, "issued", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tiny_model("llama", attn="oscar").generate(ids, attention_mask=mask, past_key_values=CACHES["oscar"](),
@@ -164,7 +169,7 @@ def test_deferred_view_materializes_for_other_attention():
     layer.fused_attention = True
     k1, v1 = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
     dk, dv = layer.update(k1, v1)
-    assert isinstance(dk, attention.DeferredKV) and dk.shape == (1, 2, 21, 8)
+    assert isinstance(dk, steps.DeferredKV) and dk.shape == (1, 2, 21, 8)
     # past tokens as stored (body dequantized), the new token at full precision
     want_k = torch.cat([layer.sink_k, layer.key_body.dequantize(), layer.recent_k], dim=2)
     want_v = torch.cat([layer.sink_v, layer.value_body.dequantize(), layer.recent_v], dim=2)
@@ -192,7 +197,7 @@ def test_features_only_sdpa_has_run_sdpa_on_the_view(monkeypatch):
     def no_fused(*args, **kwargs):
         raise AssertionError("the fused path ran")
 
-    monkeypatch.setattr(attention, "fused_step_attention", no_fused)
+    monkeypatch.setattr(steps.LayerStep, "attend", no_fused)
     q = torch.randn(1, 4, 1, 8)
     per_head = torch.randn(1, 4, 1, 21)
     got, _ = attention.oscar_attention_forward(module, q, dk, dv, per_head, scaling=0.3)
@@ -219,22 +224,22 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3)])
 def test_body_kernels_agree(layout, groups, query_len):
-    """Numba kernel == blocked PyTorch path == the kernels package's reference, for every stored layout."""
-    from hf_kvint2.kernels import reference_body_attention
-
+    """Every registered CPU body backend (blocked PyTorch, Numba) == the one dense reference, every stored layout."""
     torch.manual_seed(1)
     layer = OscarLayer(LAYOUTS[layout], 0)
     for n in (24, 16):
         layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
     n_tokens = layer.body_len - 3  # a cut inside a token group
-    q = torch.randn(2, 2 * groups, query_len, 16) @ layer.key_body.rotation
+    q = torch.randn(2, 2 * groups, query_len, 16) @ layer.key_body.codec.rotation
     kml = torch.randn(2, 2 * groups, query_len)
     mask = torch.rand(2, 1, query_len, n_tokens) > 0.3
-    args = {"n_tokens": n_tokens, "scaling": 0.3, "key_mean_logits": kml, "mask": mask}
-    ref = reference_body_attention(q, layer.key_body, layer.value_body, **args)
-    blocked = attention.body_attention_blocked(q, layer.key_body, layer.value_body, block_tokens=8, **args)
-    for got in (blocked, *([cpu_kernels.body_attention(q, layer.key_body, layer.value_body, **args)]
-                           if cpu_kernels.available() else [])):
+    args = {"scaling": 0.3, "key_mean_logits": kml, "mask": mask}
+    kb, vb = layer.key_body.read(n_tokens), layer.value_body.read(n_tokens)
+    ref = read_path.reference_body_partial(q, kb, vb, **args)
+    blocked = read_path.body_partial_blocked(q, kb, vb, block_tokens=8, **args)
+    cpu = [b for b in backends.BODY_BACKENDS.values() if b.device_type == "cpu" and b.available()]
+    assert cpu or not cpu_kernels.available()
+    for got in (blocked, *[b.run(q, kb, vb, **args) for b in cpu]):
         torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
 

@@ -7,7 +7,8 @@ import torch
 from conftest import TINY_ARCHS, TINY_VOCAB, tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from hf_kvint2 import OscarCache, OscarLayer, OscarScaledCache
+from hf_kvint2 import OscarCache, OscarScaledCache, OscarScaledSettings, OscarSettings, SettingsError
+from hf_kvint2.layers import OscarLayer
 
 KINDS = ("scaled", "oscar")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -386,10 +387,42 @@ def test_rotation_and_calibration_shape_errors():
         OscarCache(k_rotations=[torch.eye(16)]).update(*_kv(), 1)
     with pytest.raises(ValueError, match="k_rotations has 1 entries but the model has 2 layers"):
         OscarCache(config=tiny_config("llama"), k_rotations=[torch.eye(16)])
-    with pytest.raises(ValueError, match="Clip ratio"):
-        OscarCache(k_clip=1.5).update(*_kv(), 0)
+    with pytest.raises(ValueError, match=r"k_clip must be a clip ratio in \(0, 1\]"):
+        OscarCache(k_clip=1.5)
     with pytest.raises(ValueError, match="recent_tokens must be a non-negative int"):
         OscarScaledCache(recent_tokens=-1)
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda: OscarScaledCache(token_scaling="false"), "token_scaling must be a bool"),
+    (lambda: OscarScaledCache(group_size=True), "group_size must be a positive int"),
+    (lambda: OscarScaledCache(key_group_size=8.0), "key_group_size must be a positive int or None"),
+    (lambda: OscarCache(sink_tokens="64"), "sink_tokens must be a non-negative int"),
+    (lambda: OscarCache(v_clip=[0.9, "0.8"]), "v_clip must be a clip ratio"),
+    (lambda: OscarCache(scale_dtype=torch.int8), "scale_dtype must be one of"),
+])
+def test_settings_are_type_checked(make, expected):
+    """One validation for every setting: a value of the wrong type names the setting and the expected type."""
+    with pytest.raises(SettingsError, match=expected):
+        make()
+
+
+def test_settings_dict_round_trip_and_errors():
+    settings = OscarSettings(k_clip=[0.9, None], recent_tokens=32, scale_dtype=torch.bfloat16)
+    as_dict = settings.to_dict()
+    assert as_dict["k_clip"] == [0.9, None] and as_dict["scale_dtype"] == "bfloat16"
+    assert OscarSettings.from_dict(as_dict) == settings and OscarSettings.from_dict({}) == OscarSettings()
+    assert OscarScaledSettings.from_dict(OscarScaledSettings(group_size=16).to_dict()).group_size == 16
+    with pytest.raises(SettingsError, match=r"unknown settings \['window'\]"):
+        OscarSettings.from_dict({"window": 3})
+    with pytest.raises(SettingsError, match="settings version 2"):
+        OscarSettings.from_dict({}, version=2)
+    with pytest.raises(SettingsError, match="token_scaling must be a bool"):
+        OscarScaledSettings.from_dict({"token_scaling": "false"})
+    with pytest.raises(TypeError, match="recent_tokenz"):
+        OscarScaledCache(recent_tokenz=3)
+    cache = OscarScaledCache(settings=OscarScaledSettings(group_size=16), recent_tokens=8)
+    assert cache.settings == OscarScaledSettings(group_size=16, recent_tokens=8)
 
 
 # ---------------------------------------------------------------------------------------------- accounting

@@ -25,7 +25,7 @@ from hf_kvint2.data import __file__ as _data_init
 from hf_kvint2.transforms import check_orthogonal, hadamard_matrix
 
 TEXT = (Path(_data_init).parent / "prideprejudice.txt").read_text(encoding="utf-8")[:20000]
-SETTINGS = {"window": 256, "sink_tokens": 8, "recent_tokens": 32, "fit_queries": 64}  # small: a body of ~200 tokens
+SETTINGS = {"text_window": 256, "sink_tokens": 8, "recent_tokens": 32, "fit_queries": 64}  # small: a body of ~200 tokens
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -100,21 +100,21 @@ def test_capture_restores_implementation_on_error(tokenizer):
 
 
 def _check_calibrated(cache, layers=2, kv_heads=2, d=16):
-    assert len(cache.k_rotations) == len(cache.v_rotations) == len(cache.layer_layouts) == layers
+    assert len(cache.calibration.k_rotations) == len(cache.calibration.v_rotations) == len(cache.calibration.layer_layouts) == layers
     for i in range(layers):
-        check_orthogonal(cache.k_rotations[i], "k")
-        check_orthogonal(cache.v_rotations[i], "v")
-        for mean in (cache.key_means[i], cache.value_means[i]):
+        check_orthogonal(cache.calibration.k_rotations[i], "k")
+        check_orthogonal(cache.calibration.v_rotations[i], "v")
+        for mean in (cache.calibration.key_means[i], cache.calibration.value_means[i]):
             assert mean is None or mean.shape == (kv_heads, d)
-        for ev in (cache.k_eigenvalues[i], cache.v_eigenvalues[i]):
+        for ev in (cache.calibration.k_eigenvalues[i], cache.calibration.v_eigenvalues[i]):
             assert ev is None or (ev.shape == (d,) and (ev[:-1] >= ev[1:]).all() and (ev > -1e-6).all())
-        kname = cache.layout_names[i].split()[0].removeprefix("key=")
+        kname = cache.calibration.layout_names[i].split()[0].removeprefix("key=")
         assert kname.split("+")[0] in ("spectral", "hadamard", "channel")
-        key_layout = cache.layer_layouts[i][0]
+        key_layout = cache.calibration.layer_layouts[i][0]
         assert (key_layout.axis == "channel") == kname.startswith("channel")
         if kname.startswith("hadamard"):
-            assert torch.equal(cache.k_rotations[i], hadamard_matrix(d))
-    info = cache.calibration_info
+            assert torch.equal(cache.calibration.k_rotations[i], hadamard_matrix(d))
+    info = cache.calibration.info
     assert info["num_tokens"] == 1200 and info["statistics_tokens"] + info["held_out_tokens"] == 1200
     assert (info["num_layers"], info["num_key_value_heads"], info["head_dim"]) == (layers, kv_heads, d)
     assert all(math.isfinite(e) for e in info["attention_error"]["key"] + info["attention_error"]["value"])
@@ -194,7 +194,7 @@ def test_statistics_state_does_not_grow_with_tokens(tokenizer):
     sizes = []
     for num_tokens in (600, 1400):
         data = collect_statistics(model, tokenizer, [TEXT], num_tokens=num_tokens, progress=False, **SETTINGS)
-        assert data.info["statistics_tokens"] == num_tokens - SETTINGS["window"]
+        assert data.info["statistics_tokens"] == num_tokens - SETTINGS["text_window"]
         state = sum(t.numel() * t.element_size() for s in data.stats for t in s.state_tensors())
         held = sum(t.numel() * t.element_size() for w in data.held_out for layer in w
                    for t in (layer.q, layer.k, layer.v))
@@ -247,7 +247,7 @@ def test_bad_inputs_get_clear_errors(tokenizer):
     with pytest.raises(ValueError, match="non-empty"):
         tokenize_texts(tokenizer, [""], 10)
     with pytest.raises(ValueError, match="quantized body"):
-        OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=600, window=64, sink_tokens=8, recent_tokens=64,
+        OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=600, text_window=64, sink_tokens=8, recent_tokens=64,
                              progress=False, verbose=False)
 
 
@@ -269,8 +269,8 @@ def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "artifact written to" in printed and str(out) in printed and "peak memory" in printed
     loaded = OscarCache.from_pretrained(out)
-    assert loaded.settings["k_clip"] is not None
-    assert len(loaded.k_rotations) == 2 and loaded.layout_names is not None
+    assert loaded.settings.k_clip is not None
+    assert len(loaded.calibration.k_rotations) == 2 and loaded.calibration.layout_names is not None
 
 
 def test_spilled_and_recomputed_value_pass_agree(tokenizer):

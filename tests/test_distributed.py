@@ -194,7 +194,7 @@ def test_storage_lives_on_the_kv_device_and_report_groups_by_device():
     cache.update(k, k.clone(), 0)
     layer = cache.layers[0]
     held = [layer.sink_k, layer.recent_k] + [b.data for s in (layer.key_body, layer.value_body) for b in s.buffers()]
-    assert all(t.device == k.device for t in held) and layer.key_body.rotation.device == k.device
+    assert all(t.device == k.device for t in held) and layer.key_body.codec.rotation.device == k.device
     report = cache.memory_report()
     assert report["by_device"] == {"cpu": report["total"]["total_bytes"]} and report["layers"][0]["device"] == "cpu"
     assert "tensor_parallel" not in report

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_kvint2  # noqa: F401  (registers "oscar")
-from hf_kvint2 import OscarCache, OscarScaledCache, quant, quantize_int2
+from hf_kvint2 import OscarCache, OscarScaledCache, quant
 from hf_kvint2.export import (
     OscarExportableModule,
     OscarOnnxDecoder,
@@ -25,7 +25,7 @@ from hf_kvint2.export import (
     onnx_generate,
     onnx_step,
 )
-from hf_kvint2.quant import dequantize_int2, pack_int2, unpack_int2
+from hf_kvint2.quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
 from hf_kvint2.recipes import GroupLayout
 from hf_kvint2.static_cache import StaticOscarCache, StaticOscarLayer
 
@@ -134,17 +134,17 @@ def test_quantizer_under_inductor_and_export_is_bit_identical(axis, group, scale
 
 
 def test_stream_transform_under_inductor_is_bit_identical():
-    """QuantizedStream.quantize (centre, rotate, omni-token norm, clip, INT2) compiled against eager: the division
+    """StreamCodec.quantize (centre, rotate, omni-token norm, clip, INT2) compiled against eager: the division
     uses the stored, rounded norm in both."""
     from hf_kvint2.layers import OscarLayer
 
     layer = OscarLayer(_mixed_cache()._recipe_for_layer(0), 0)
     x = torch.randn(2, 2, 8, 16) * 3
     layer.lazy_initialization(x, x)
-    for stream in (layer.key_body, layer.value_body):  # token-scaled keys with a mean; clipped values
-        ref = stream.quantize(x)
+    for codec in (layer.key_body.codec, layer.value_body.codec):  # token-scaled keys with a mean; clipped values
+        ref = codec.quantize(x)
         torch._dynamo.reset()
-        got = torch.compile(stream.quantize, fullgraph=True, dynamic=False)(x)
+        got = torch.compile(codec.quantize, fullgraph=True, dynamic=False)(x)
         for a, b in zip(ref[0], got[0]):
             assert torch.equal(a, b)
         assert (ref[1] is None and got[1] is None) or torch.equal(ref[1], got[1])

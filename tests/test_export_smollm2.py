@@ -7,10 +7,9 @@ torch.compile of the 30-layer step takes ~10 minutes on a 2-core CPU, so it is m
 
 from __future__ import annotations
 
-import importlib.resources
-
 import pytest
 import torch
+from pinned_logits import ARTIFACT, PROMPT, RECORD, STATIC_BLOCK, STATIC_LEN, STEPS, check, load_pinned, smollm2_ids
 
 import hf_kvint2  # noqa: F401  (registers "oscar")
 from hf_kvint2 import OscarCache
@@ -19,9 +18,9 @@ from hf_kvint2.export import OscarExportableModule, export_decoder, export_onnx,
 pytestmark = pytest.mark.slow
 
 TOL = 1e-4
-PROMPT, STEPS = 336, 8  # the 64 sink + 256 recent tokens are full, 16+ tokens already in the INT2 body
-MAX_LEN = PROMPT + STEPS + 8
-ARTIFACT = "hf-kvint2/SmolLM2-135M-Instruct-oscar"
+# The setup of the pinned logits (tests/pinned_logits.py): 64 sink + 256 recent tokens full, 280+ in the INT2 body.
+MAX_LEN = STATIC_LEN
+ONNX_STEPS = 8  # ONNX Runtime steps checked (each ~1 s per 100 positions on 2 cores); the program checks all
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +32,17 @@ def setup():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, tok = load_smollm2(torch.float32, attn_implementation="oscar")
-    text = importlib.resources.files("hf_kvint2.data").joinpath("emma.txt").read_text()[400:8000]
-    ids = tok(text, return_tensors="pt").input_ids[:, : PROMPT + STEPS]
-    assert ids.shape[1] == PROMPT + STEPS
+    ids = smollm2_ids(tok)
     make_cache = lambda: OscarCache.from_pretrained(ARTIFACT, config=model.config)
-    module = OscarExportableModule(model, make_cache(), max_cache_len=MAX_LEN, attention_block=128)
+    module = OscarExportableModule(model, make_cache(), max_cache_len=MAX_LEN, attention_block=STATIC_BLOCK)
     states, eager = [], []
     with torch.no_grad():
-        module.prefill(ids[:, :PROMPT])
+        prefill = module.prefill(ids[:, :PROMPT])
         for t in range(PROMPT, PROMPT + STEPS):
             states.append([s.clone() for s in module.static_cache.state_tensors()])
             eager.append(module(ids[:, t:t + 1], torch.tensor([t])))
     assert module.static_cache.layers[0]._body_tokens_now() > 0
-    yield model, make_cache, module, ids, states, eager
+    yield model, make_cache, module, ids, states, eager, prefill
     torch.set_num_threads(threads)
 
 
@@ -55,24 +52,27 @@ def _load_state(module, state):
 
 
 def test_smollm2_exported_program_matches_eager(setup):
-    model, _, module, ids, states, eager = setup
+    """Bit for bit against the eager steps, and against the logits pinned before issue 13's refactor."""
+    model, _, module, ids, states, eager, prefill = setup
     step = export_decoder(model, module=module, max_cache_len=MAX_LEN).module()
     _load_state(module, states[0])
     with torch.no_grad():
         for i, t in enumerate(range(PROMPT, PROMPT + STEPS)):  # runs freely from the prefilled cache
             got = step(input_ids=ids[:, t:t + 1], cache_position=torch.tensor([t]))
             assert torch.equal(got, eager[i]), (t, (got - eager[i]).abs().max().item())
+    if not RECORD:  # tests/test_exactness.py records
+        check(load_pinned(), "static_export.oscar_shipped", [prefill[0, -1]] + [e[0, -1] for e in eager])
 
 
 def test_smollm2_onnx_runtime_matches_eager(setup, tmp_path):
     ort = pytest.importorskip("onnxruntime", reason="pip install 'hf-kvint2[export]'")
-    model, make_cache, _, ids, states, eager = setup
-    spec = export_onnx(model, tmp_path / "decoder.onnx", make_cache(), max_cache_len=MAX_LEN, attention_block=128)
+    model, make_cache, _, ids, states, eager, _ = setup
+    spec = export_onnx(model, tmp_path / "decoder.onnx", make_cache(), max_cache_len=MAX_LEN, attention_block=STATIC_BLOCK)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(spec.path, options, providers=["CPUExecutionProvider"])
     worst = 0.0
-    for i, t in enumerate(range(PROMPT, PROMPT + STEPS)):  # every step from the eager state (the acceptance check)
+    for i, t in enumerate(range(PROMPT, PROMPT + ONNX_STEPS)):  # each from the eager state (the acceptance check)
         feeds = {n: s.numpy() for n, s in zip(spec.state_names, states[i])}
         logits, _ = onnx_step(session, spec, feeds, ids[:, t:t + 1].numpy(), t)
         worst = max(worst, float(abs(logits - eager[i].numpy()).max()))

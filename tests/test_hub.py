@@ -6,6 +6,7 @@ routes from a local folder, and push calls are intercepted at HfApi.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -84,12 +85,10 @@ def calibrated_cache(**kw):
         value_means=[torch.randn(KV_HEADS, HEAD_DIM, generator=g), torch.randn(KV_HEADS, HEAD_DIM, generator=g)],
         layer_layouts=[(GroupLayout("token", 16, 0.95), GroupLayout("token", 16, 0.9)),
                        (GroupLayout("channel", 8, None), GroupLayout("token", 8, 0.85))],
+        k_eigenvalues=[ek0, None], v_eigenvalues=[ev0, ev1], layout_names=["spectral+center", "per-channel"],
         sink_tokens=4, recent_tokens=8, **kw)
-    cache.k_eigenvalues, cache.v_eigenvalues = [ek0, None], [ev0, ev1]
-    cache.layout_names = ["spectral+center", "per-channel"]
-    cache.calibration_info = {"data": "random tokens", "num_tokens": 1234, "base_model": "tiny/llama",
-                              "base_model_revision": "abc123"}
-    return cache
+    info = {"data": "random tokens", "num_tokens": 1234, "base_model": "tiny/llama", "base_model_revision": "abc123"}
+    return OscarCache(settings=cache.settings, calibration=dataclasses.replace(cache.calibration, info=info))
 
 
 QUALITY = [{"cache": "DynamicCache", "perplexity": 28.79, "bits/element": 16.0},
@@ -119,9 +118,9 @@ def test_oscar_round_trip_gives_identical_logits(saved, model, input_ids):
     # The artifact carries the calibration: the same settings without it give other logits.
     plain = OscarCache(sink_tokens=4, recent_tokens=8)
     assert not torch.allclose(chunked_logits(model, plain, input_ids), expected)
-    assert loaded.layout_names == ["spectral+center", "per-channel"]
-    assert loaded.k_eigenvalues[1] is None and loaded.v_eigenvalues[1].shape == (HEAD_DIM,)
-    assert loaded.calibration_info["num_tokens"] == 1234 and loaded.quality == QUALITY
+    assert loaded.calibration.layout_names == ("spectral+center", "per-channel")
+    assert loaded.calibration.k_eigenvalues[1] is None and loaded.calibration.v_eigenvalues[1].shape == (HEAD_DIM,)
+    assert loaded.calibration.info["num_tokens"] == 1234 and loaded.quality == QUALITY
 
     config = json.loads((folder / "config.json").read_text())
     assert config["format"] == "hf_kvint2.oscar" and config["format_version"] == hub.FORMAT_VERSION
@@ -171,7 +170,7 @@ def test_data_free_round_trip(make, model, input_ids, tmp_path):
 def test_overrides_replace_settings(saved, model, input_ids):
     folder, expected = saved
     loaded = OscarCache.from_pretrained(folder, recent_tokens=16, k_clip=0.5)
-    assert loaded.settings["recent_tokens"] == 16
+    assert loaded.settings.recent_tokens == 16
     # k_clip also rewrites the calibrated per-layer key layouts, not just the unused default
     layouts = [loaded._recipe_for_layer(i).key.clip for i in range(LAYERS)]
     assert layouts == [0.5, 0.5]
@@ -279,7 +278,7 @@ def test_hub_download_with_revision_and_subfolder_then_offline(hub_server, saved
 
     cache = OscarCache.from_pretrained("kv-org/tiny-llama", revision="v1", **args)
     assert torch.equal(chunked_logits(model, cache, input_ids), expected)
-    assert OscarCache.from_pretrained("kv-org/tiny-llama", **args).settings["recent_tokens"] == 99  # main
+    assert OscarCache.from_pretrained("kv-org/tiny-llama", **args).settings.recent_tokens == 99  # main
     served = [(method, path) for method, path, _ in hub_server.requests]
     assert ("HEAD", "/kv-org/tiny-llama/resolve/v1/oscar/config.json") in served
     assert ("GET", "/kv-org/tiny-llama/resolve/v1/oscar/model.safetensors") in served
@@ -298,8 +297,7 @@ def test_hub_download_with_revision_and_subfolder_then_offline(hub_server, saved
     count = len(hub_server.requests)
     cache = OscarCache.from_pretrained("kv-org/tiny-llama", revision="v1", **args)
     assert torch.equal(chunked_logits(model, cache, input_ids), expected)
-    assert OscarCache.from_pretrained("kv-org/tiny-llama", local_files_only=True, **args).settings[
-        "recent_tokens"] == 99
+    assert OscarCache.from_pretrained("kv-org/tiny-llama", local_files_only=True, **args).settings.recent_tokens == 99
     assert len(hub_server.requests) == count
     with pytest.raises(OSError, match="not in the local Hub cache"):
         OscarCache.from_pretrained("kv-org/tiny-llama", revision="v2", **args)
@@ -466,9 +464,9 @@ def test_rotation_zoo_import(model, input_ids, tmp_path, hub_server):
     expected = chunked_logits(model, direct, input_ids)
 
     imported = OscarCache.from_rotation_zoo(tmp_path / "zoo", subfolder="TinyLlama/seq100_group16", **settings)
-    assert imported.settings["k_clip"] == 0.96 and imported.settings["v_clip"] == 0.92  # reference defaults
+    assert imported.settings.k_clip == 0.96 and imported.settings.v_clip == 0.92  # reference defaults
     assert torch.equal(chunked_logits(model, imported, input_ids), expected)
-    assert torch.equal(imported.k_eigenvalues[1], rots[1][1].float())
+    assert torch.equal(imported.calibration.k_eigenvalues[1], rots[1][1].float())
     # converted to our format, it round-trips
     converted = OscarCache.from_pretrained(imported.save_pretrained(tmp_path / "converted"))
     assert torch.equal(chunked_logits(model, converted, input_ids), expected)
@@ -517,8 +515,8 @@ def test_shipped_smollm2_artifact_loads_offline(monkeypatch, tmp_path):
     info = cache.artifact_info
     assert {k: info[k] for k in SMOLLM2_SHAPES} == SMOLLM2_SHAPES
     assert info["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert len(cache.layer_layouts) == 30 and len(cache.layout_names) == 30
-    assert "prideprejudice" in cache.calibration_info["data"].lower().replace(" ", "").replace("_", "")
+    assert len(cache.calibration.layer_layouts) == 30 and len(cache.calibration.layout_names) == 30
+    assert "prideprejudice" in cache.calibration.info["data"].lower().replace(" ", "").replace("_", "")
     meta = card_metadata(hub.SMOLLM2_ARTIFACT_DIR / "README.md")
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "oscar" in meta["tags"]
     # against SmolLM2's architecture (no weights needed): the shapes fit
@@ -534,7 +532,7 @@ def test_shipped_artifacts_are_package_data():
     import fnmatch
     import re
 
-    root = Path(hub.__file__).parent
+    root = Path(hub.__file__).parents[1]
     line = re.search(r'^"hf_kvint2" = (\[.*\])$', (root.parent / "pyproject.toml").read_text(), re.MULTILINE)
     patterns = json.loads(line.group(1))  # the [tool.setuptools.package-data] entry of the package itself
     shipped = [p.relative_to(root).as_posix() for p in hub.EMBEDDED_ARTIFACTS_DIR.rglob("*") if p.is_file()]
@@ -546,7 +544,7 @@ def test_shipped_artifacts_are_package_data():
 @pytest.mark.slow
 def test_shipped_artifact_runs_on_smollm2(smollm2):
     model, tokenizer = smollm2
-    text = (Path(hub.__file__).parent / "data" / "emma.txt").read_text(encoding="utf-8")[20000:24000]
+    text = (Path(hub.__file__).parents[1] / "data" / "emma.txt").read_text(encoding="utf-8")[20000:24000]
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :352]  # > sink 64 + recent 256: the body is used
     cache = OscarCache.from_pretrained(hub.SMOLLM2_ARTIFACT_ID, config=model.config)  # checked against the model
 

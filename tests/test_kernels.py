@@ -26,6 +26,7 @@ from hf_kvint2 import (
     kernels,
 )
 from hf_kvint2.quant import dequantize_int2, quantize_int2
+from hf_kvint2.read_path import reference_body_partial
 from hf_kvint2.transforms import spectral_rotation
 
 B, HKV, REP, D = 2, 2, 2, 64
@@ -114,10 +115,11 @@ def test_quantize_stream_matches_layer_transform(name):
     layer = filled_layer(CACHES[name], n_prefill=40, n_decode=0)
     x_k, x_v = kv(16, seed=11)
     for stream, x in ((layer.key_body, x_k), (layer.value_body, x_v)):
-        xt, norm = stream.transform(x)
-        want = (quantize_int2(xt, stream.layout.axis, stream.group, stream.scale_dtype), norm)
-        got = kernels.quantize_stream(stream, x)
-        assert_quantized_match(got, want, stream.layout.axis, stream.group, xt)
+        codec = stream.codec
+        xt, norm = codec.transform(x)
+        want = (quantize_int2(xt, codec.layout.axis, codec.group, codec.scale_dtype), norm)
+        got = kernels.quantize_stream(codec, x)
+        assert_quantized_match(got, want, codec.layout.axis, codec.group, xt)
 
 
 @pytest.mark.parametrize("axis,group,clip,token_scaling,scale_dtype,d,n", [
@@ -132,9 +134,9 @@ def test_quantize_tokens_settings(axis, group, clip, token_scaling, scale_dtype,
             "scale_dtype": scale_dtype}
     got = kernels.quantize_tokens(x, rot, mean, **args)
     want = kernels.reference_quantize_tokens(x, rot, mean, **args)
-    from hf_kvint2.layers import QuantizedStream
+    from hf_kvint2.stream import StreamCodec
 
-    xt, _ = QuantizedStream(GroupLayout(axis, group, clip, token_scaling), group, rot, mean, scale_dtype).transform(x)
+    xt, _ = StreamCodec(GroupLayout(axis, group, clip, token_scaling), group, rot, mean, scale_dtype).transform(x)
     assert_quantized_match(got, want, axis, group, xt)
 
 
@@ -178,17 +180,18 @@ def masks(lq: int, n: int):
 @pytest.mark.parametrize("lq,splits,mask_kind", [(1, 3, "bool"), (2, 1, "additive")])  # no mask: layer tests
 def test_body_attention_matches_reference(name, lq, splits, mask_kind):
     layer = filled_layer(CACHES[name])
-    kb, vb = layer.key_body, layer.value_body
+    n = layer.body_len - 5  # a prefix, as when the newest body tokens belong to the current chunk
+    kb, vb = layer.key_body.read(n), layer.value_body.read(n)
     g = torch.Generator().manual_seed(9)
     q = torch.randn(B, HKV * REP, lq, D, generator=g).to(DEVICE)
-    q_rot = q @ kb.rotation
-    kml = None if kb.mean is None else (q.reshape(B, HKV, REP, lq, D) * kb.mean[None, :, None, None]).sum(-1)
+    q_rot = q @ kb.codec.rotation
+    mean = kb.codec.mean
+    kml = None if mean is None else (q.reshape(B, HKV, REP, lq, D) * mean[None, :, None, None]).sum(-1)
     kml = None if kml is None else kml.reshape(B, HKV * REP, lq)
-    n = layer.body_len - 5  # a prefix, as when the newest body tokens belong to the current chunk
     mask = masks(lq, n)[mask_kind]
-    args = {"n_tokens": n, "scaling": D ** -0.5, "key_mean_logits": kml, "mask": mask}
+    args = {"scaling": D ** -0.5, "key_mean_logits": kml, "mask": mask}
     out, lse = kernels.body_attention(q_rot, kb, vb, num_splits=splits, **args)
-    ref_out, ref_lse = kernels.reference_body_attention(q_rot, kb, vb, **args)
+    ref_out, ref_lse = reference_body_partial(q_rot, kb, vb, **args)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     if mask_kind == "bool":  # the fully masked row: nothing attended
@@ -226,16 +229,17 @@ def test_body_attention_small_head_dim_and_empty_body():
     layer = filled_layer(oscar_scaled, d=32)  # head_dim 32: byte tiles padded to the 16-wide dot minimum
     q_rot = torch.randn(B, HKV * REP, 1, 32, device=DEVICE)
     args = {"scaling": 0.2}
-    out, lse = kernels.body_attention(q_rot, layer.key_body, layer.value_body, num_splits=2, **args)
-    ref_out, ref_lse = kernels.reference_body_attention(q_rot, layer.key_body, layer.value_body, **args)
+    kb, vb = layer.key_body.read(), layer.value_body.read()
+    out, lse = kernels.body_attention(q_rot, kb, vb, num_splits=2, **args)
+    ref_out, ref_lse = reference_body_partial(q_rot, kb, vb, **args)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
-    out, lse = kernels.body_attention(q_rot, layer.key_body, layer.value_body, n_tokens=0, **args)
+    out, lse = kernels.body_attention(q_rot, layer.key_body.read(0), layer.value_body.read(0), **args)
     assert (out == 0).all() and torch.isneginf(lse).all()
     with pytest.raises(ValueError, match="outside the body"):
-        kernels.body_attention(q_rot, layer.key_body, layer.value_body, n_tokens=10_000, **args)
+        kernels.body_attention(q_rot, layer.key_body.read(10_000), layer.value_body.read(10_000), **args)
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.body_attention(q_rot[:, :3], layer.key_body, layer.value_body, **args)
+        kernels.body_attention(q_rot[:, :3], kb, vb, **args)
 
 
 def test_bench_gpu_script_runs_one_tiny_config(tmp_path):

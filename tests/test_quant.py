@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_kvint2 import OscarCache, OscarLayer, OscarScaledCache, dequantize_int2, pack_int2, quantize_int2, unpack_int2
+from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2.layers import OscarLayer
+from hf_kvint2.quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
 from hf_kvint2.recipes import oscar_recipe
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]

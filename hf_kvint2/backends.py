@@ -1,0 +1,52 @@
+"""Body-partial backends: one signature, registered per device, chosen in one place (:func:`select_body_partial`).
+
+Every backend computes the body's partial attention in the rotated space (see :mod:`hf_kvint2.read_path`):
+``backend(q_rot, key: QuantizedBody, value: QuantizedBody, *, scaling, key_mean_logits=None, mask=None,
+**options) -> (out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``. Registered here:
+
+* ``"torch"``: :func:`hf_kvint2.read_path.body_partial_blocked`, any device, traceable (static caches, export).
+* ``"numba"``: :func:`hf_kvint2.cpu_kernels.body_attention`, CPU, when Numba is installed.
+* ``"triton"``: :func:`hf_kvint2.kernels.body_attention`, CUDA, when Triton is installed.
+
+A new backend: write the function, add a :class:`BodyBackend` entry to ``BODY_BACKENDS`` (device type and an
+availability check), and test it against :func:`hf_kvint2.read_path.reference_body_partial`
+(tests/test_attention.py runs every registered backend that is available).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import cpu_kernels, kernels
+from .read_path import BodyPartial, body_partial_blocked
+
+CPU_KERNEL_ENV = "HF_KVINT2_CPU_KERNEL"  # "torch" forces the PyTorch body on CPU (default: Numba when installed)
+
+
+@dataclass(frozen=True)
+class BodyBackend:
+    name: str
+    device_type: str | None  # None: any device
+    available: Callable[[], bool]
+    run: BodyPartial
+
+
+BODY_BACKENDS = {
+    "triton": BodyBackend("triton", "cuda", kernels.triton_available, kernels.body_attention),
+    "numba": BodyBackend("numba", "cpu", cpu_kernels.available, cpu_kernels.body_attention),
+    "torch": BodyBackend("torch", None, lambda: True, body_partial_blocked),
+}
+
+
+def select_body_partial(device, traceable: bool = False) -> BodyBackend:
+    """The backend for queries on ``device``: Triton on CUDA, Numba on CPU (unless ``HF_KVINT2_CPU_KERNEL=torch``),
+    each when installed; the PyTorch one otherwise and whenever the step is traced (``traceable``)."""
+    if not traceable:
+        if device.type == "cuda" and BODY_BACKENDS["triton"].available():
+            return BODY_BACKENDS["triton"]
+        if device.type == "cpu" and os.environ.get(CPU_KERNEL_ENV, "numba") != "torch" and \
+                BODY_BACKENDS["numba"].available():
+            return BODY_BACKENDS["numba"]
+    return BODY_BACKENDS["torch"]

@@ -1,0 +1,76 @@
+"""OSCAR calibration (SPEC 3): capture post-RoPE Q/K/V, stream the key and value metrics, fit rotations, clip
+ratios, centering and the per-layer layout; ``OscarCache.calibrate`` builds the cache from the result.
+
+Modules: :mod:`.capture` (observing the model), :mod:`.statistics` (the two passes), :mod:`.fitting`
+(candidates and the per-layer choice), :mod:`.run` (running the steps, the result, its description).
+
+How it runs:
+
+* **Capture.** The model runs with a temporary attention implementation registered in transformers'
+  ``AttentionInterface`` that hands the post-RoPE ``query`` / ``key`` / ``value`` of every layer to a callback
+  and then calls the model's own implementation (sdpa, eager, ...) with the same arguments, so the outputs do not
+  change. The original implementation is restored afterwards, also on error.
+* **Two streaming passes.** The value metric weights token ``t`` by ``k_t^T M_h k_t``, and ``M_h`` (the query
+  second moment) is only known after all data. An exact one-pass scheme would need a ``d^4`` tensor per head, so
+  the keys and values are visited twice: pass 1 runs the model and accumulates ``sum q q^T`` per KV head and the
+  key/value sums (for the means); pass 2, with the final ``M_h``, accumulates ``sum w v v^T``, ``sum w v`` and
+  ``sum w``. By default (``value_pass="spill"``) pass 1 writes each window's keys and values (model dtype, exact)
+  to a temporary safetensors file on disk that pass 2 reads back, which halves the model forwards;
+  ``value_pass="recompute"`` runs the model again instead and needs no disk. Both give identical statistics.
+  Accumulators are float64 and their size depends only on layers, heads and ``head_dim``; one window of
+  activations is in memory at a time.
+* **Held-back windows.** The last ``fit_windows`` windows of the token budget are not used for the statistics;
+  pass 1 keeps their keys, values and a sample of queries per layer. Clip ratios and layouts are chosen on them
+  by the attention-output error of the quantized cache (sink and recent windows exact, body quantized).
+
+Tokens inside the sink window (the first ``sink_tokens`` of every window) never get quantized, so they are left
+out of the key/value statistics (they carry the attention-sink outliers); all queries count.
+"""
+
+from .capture import capture_attention, tokenize_texts
+from .fitting import (
+    DEFAULT_CLIP_GRID,
+    DEFAULT_K_CLIP,
+    DEFAULT_V_CLIP,
+    LAYOUTS,
+    Candidate,
+    LayerChoice,
+    LayerErrorProbe,
+    candidate_transforms,
+    fit_layer,
+    fit_layers,
+)
+from .run import (
+    CalibrationResult,
+    calibration_from_choices,
+    calibration_info,
+    calibration_summary,
+    fit_calibration,
+    settings_from_choices,
+)
+from .statistics import CalibrationData, HeldOutLayer, LayerStatistics, collect_statistics
+
+__all__ = [
+    "DEFAULT_CLIP_GRID",
+    "DEFAULT_K_CLIP",
+    "DEFAULT_V_CLIP",
+    "LAYOUTS",
+    "CalibrationData",
+    "CalibrationResult",
+    "Candidate",
+    "HeldOutLayer",
+    "LayerChoice",
+    "LayerErrorProbe",
+    "LayerStatistics",
+    "calibration_from_choices",
+    "calibration_info",
+    "calibration_summary",
+    "candidate_transforms",
+    "capture_attention",
+    "collect_statistics",
+    "fit_calibration",
+    "fit_layer",
+    "fit_layers",
+    "settings_from_choices",
+    "tokenize_texts",
+]

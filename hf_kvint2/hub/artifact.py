@@ -1,0 +1,346 @@
+"""The artifact format (see :mod:`hf_kvint2.hub`): its constants, the checks of an artifact against a model, and
+the conversion between a cache and ``(config.json dict, tensors)`` in both directions. No file or network I/O."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import torch
+
+from ..model_config import model_shape
+from ..recipes import GroupLayout
+from ..settings import OscarCalibration, SettingsError
+from ..transforms import check_orthogonal
+from ..version import __version__
+
+FORMAT_VERSION = 1
+OSCAR_FORMAT = "hf_kvint2.oscar"
+OSCAR_SCALED_FORMAT = "hf_kvint2.oscar_scaled"
+CONFIG_NAME = "config.json"
+TENSORS_NAME = "model.safetensors"
+SHAPE_KEYS = ("num_layers", "num_key_value_heads", "head_dim")
+ORTHOGONAL_ATOL = 1e-4
+
+
+class ArtifactError(ValueError):
+    """A calibration artifact that is malformed, hostile, or made for another model."""
+
+
+def model_shape_from_config(config) -> dict:
+    """``num_layers`` / ``num_key_value_heads`` / ``head_dim`` of a transformers config (text part)."""
+    shape = model_shape(config)
+    return {"num_layers": shape.num_layers, "num_key_value_heads": shape.num_key_value_heads,
+            "head_dim": shape.head_dim}
+
+
+def _describe(info: dict) -> str:
+    name = info.get("source") or "the calibration artifact"
+    base = f" (calibrated for {info['base_model']})" if info.get("base_model") else ""
+    return f"{name}{base}"
+
+
+def check_shape(info: dict, model: dict, where: str) -> None:
+    """Raise if a recorded artifact shape differs from the model's (keys missing or None are not checked)."""
+    for key in SHAPE_KEYS:
+        want, got = info.get(key), model.get(key)
+        if want is not None and got is not None and want != got:
+            raise ArtifactError(
+                f"{_describe(info)} has {key}={want}, but {where} has {key}={got}. This artifact was made for another "
+                "model: load the artifact calibrated for this model, or calibrate it with OscarCache.calibrate(...).")
+
+
+def _same_model_name(a: str, b: str) -> bool:
+    # Local copies keep the repo's last path component; compare that, case-insensitively.
+    return Path(str(a).rstrip("/")).name.lower() == Path(str(b).rstrip("/")).name.lower()
+
+
+def check_config(info: dict, config) -> None:
+    """Check an artifact against a transformers config: shapes raise, a different base model only warns."""
+    check_shape(info, model_shape_from_config(config), f"the model config ({type(config).__name__})")
+    base, name = info.get("base_model"), getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", "")
+    if base and name and not _same_model_name(base, name):
+        warnings.warn(f"{info.get('source') or 'The calibration artifact'} was calibrated for {base!r} but the model "
+                      f"is {name!r}. Shapes match, so it loads; quality may differ from the card if the weights "
+                      "differ (fine-tunes usually transfer).", UserWarning, stacklevel=3)
+
+
+def check_update(cache, key_states: torch.Tensor, layer_idx: int) -> None:
+    """First-use validation, called by the cache on every ``update`` (a few integer compares).
+
+    KV heads and head dim fail at the first update; the layer count as soon as it is known: a layer index beyond
+    the artifact's layers fails at once, fewer layers fail when the next forward starts at layer 0.
+    """
+    info = cache.artifact_info
+    shard = getattr(cache, "shard", None)  # tensor parallelism: this rank sees 1/world_size of the KV heads
+    model = {"num_key_value_heads": key_states.shape[1] * (shard.world_size if shard is not None else 1),
+             "head_dim": key_states.shape[-1]}
+    if any(info.get(k) not in (None, v) for k, v in model.items()):
+        check_shape(info, model, f"the model (key states of layer {layer_idx} have shape {tuple(key_states.shape)})")
+    n = info.get("num_layers")
+    if n is None:
+        return
+    seen = getattr(cache, "_artifact_layers_seen", 0)
+    if layer_idx >= n or (layer_idx == 0 and 0 < seen < n):
+        model_layers = f"at least {layer_idx + 1}" if layer_idx >= n else f"{seen} (its forward updated only these)"
+        raise ArtifactError(
+            f"{_describe(info)} has num_layers={n}, but the model has num_layers={model_layers}. This artifact was "
+            "made for another model: load the artifact calibrated for this model, or calibrate it with "
+            "OscarCache.calibrate(...).")
+    cache._artifact_layers_seen = max(seen, layer_idx + 1)
+
+
+def _encode_oscar(cache) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(config ``layers`` entry, tensors, shapes inferred from the tensors) of an :class:`OscarCache`."""
+    calibration = cache.calibration
+    per_layer = {name: None if getattr(calibration, name) is None else list(getattr(calibration, name))
+                 for name in calibration.PER_LAYER}
+    lengths = {name: len(v) for name, v in per_layer.items() if v is not None}
+    if not lengths:
+        return None, {}, {}
+    if len(set(lengths.values())) > 1:
+        raise ArtifactError(f"The per-layer lists of this cache differ in length ({lengths}); cannot save it.")
+    n = next(iter(lengths.values()))
+    tensors, layers, inferred = {}, [], {"num_layers": n}
+    for i in range(n):
+        entry = {"layout": per_layer["layout_names"][i] if per_layer["layout_names"] else None}
+        pair = per_layer["layer_layouts"][i] if per_layer["layer_layouts"] else None
+        for kind, short, side in (("key", "k", 0), ("value", "v", 1)):
+            for part, listname in (("rotation", f"{short}_rotations"), ("eigenvalues", f"{short}_eigenvalues"),
+                                   ("mean", f"{kind}_means")):
+                t = per_layer[listname][i] if per_layer[listname] else None
+                entry[f"{kind}_{part}"] = t is not None
+                if t is not None:
+                    tensors[f"layers.{i}.{kind}_{part}"] = t.detach().to("cpu", torch.float32).contiguous()
+                    if part == "rotation":
+                        inferred["head_dim"] = t.shape[-1]
+                    if part == "mean":
+                        inferred["num_key_value_heads"], inferred["head_dim"] = t.shape[0], t.shape[-1]
+            layout = pair[side] if pair is not None else None
+            entry[f"{kind}_layout"] = asdict(layout) if layout is not None else None
+        layers.append(entry)
+    return layers, tensors, inferred
+
+
+def _model_shape_of(cache, inferred: dict) -> dict:
+    """The shapes to record: from the model config, a loaded artifact, the calibration, tensors, live layers."""
+    sources = []
+    if getattr(cache, "config", None) is not None:
+        sources.append(model_shape_from_config(cache.config))
+    calibration = getattr(cache, "calibration", None)
+    sources += [cache.artifact_info or {}, (calibration.info if calibration is not None else None) or {}, inferred]
+    live = [layer for layer in cache.layers if getattr(layer, "is_initialized", False) and hasattr(layer, "head_dim")]
+    if live:
+        sources.append({"num_key_value_heads": live[0].num_heads, "head_dim": live[0].head_dim})
+    shape = {}
+    for key in SHAPE_KEYS:
+        shape[key] = next((s[key] for s in sources if s.get(key) is not None), None)
+    return shape
+
+
+def artifact_payload(cache, *, base_model: str | None = None, base_model_revision: str | None = None,
+                     quality: list[dict] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The ``config.json`` dict and the tensors of a cache (validated as the loader would)."""
+    fmt = type(cache).artifact_format
+    layers, tensors, inferred = _encode_oscar(cache) if fmt == OSCAR_FORMAT else (None, {}, {})
+    calibration = cache.calibration.info if fmt == OSCAR_FORMAT else None
+    loaded = cache.artifact_info or {}
+    model_name = getattr(cache.config, "name_or_path", None) if getattr(cache, "config", None) is not None else None
+    config = {
+        "format": fmt,
+        "format_version": FORMAT_VERSION,
+        "hf_kvint2_version": __version__,
+        "base_model": base_model or (calibration or {}).get("base_model") or loaded.get("base_model") or model_name
+        or None,
+        "base_model_revision": base_model_revision or (calibration or {}).get("base_model_revision")
+        or loaded.get("base_model_revision"),
+        **_model_shape_of(cache, inferred),
+        "settings": cache.settings.to_dict(),
+        "layers": layers,
+        "calibration": calibration,
+        "quality": quality if quality is not None else cache.quality,
+    }
+    try:
+        json.dumps(config)
+    except TypeError as e:
+        raise ArtifactError(f"The cache's settings or calibration_info are not JSON-serialisable: {e}") from e
+    decode_payload(type(cache), config, tensors, "the cache being saved")  # never write what cannot be loaded
+    return config, tensors
+
+
+def _fail(where: str, problem: str) -> ArtifactError:
+    return ArtifactError(f"{where}: {problem}")
+
+
+def _check_header(cls, config, where: str) -> None:
+    if not isinstance(config, dict) or "format" not in config:
+        raise _fail(where, "config.json has no 'format' key, so it is not an hf_kvint2 artifact. A transformers "
+                           "model config? Pass the calibration's folder or subfolder. A reference OSCAR RotationZoo? "
+                           "Use OscarCache.from_rotation_zoo(...).")
+    fmt, version = config["format"], config.get("format_version")
+    if fmt != cls.artifact_format:
+        other = {OSCAR_FORMAT: "OscarCache", OSCAR_SCALED_FORMAT: "OscarScaledCache"}.get(fmt)
+        hint = f"load it with {other}.from_pretrained(...)" if other else "it is not an hf_kvint2 cache format"
+        raise _fail(where, f"format is {fmt!r}, but {cls.__name__} reads {cls.artifact_format!r}: {hint}.")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise _fail(where, f"unknown format_version {version!r} (this hf_kvint2 reads 1..{FORMAT_VERSION}).")
+    if version > FORMAT_VERSION:
+        raise _fail(where, f"format_version {version} is newer than this hf_kvint2 reads ({FORMAT_VERSION}); "
+                           "upgrade it: pip install -U hf-kvint2.")
+    for key in SHAPE_KEYS:
+        v = config.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise _fail(where, f"{key} must be a positive integer or null, got {v!r}.")
+
+
+def _tensor(tensors: dict, name: str, shape: tuple, where: str, used: set) -> torch.Tensor:
+    if name not in tensors:
+        raise _fail(where, f"tensor {name!r} is listed in config.json but missing from {TENSORS_NAME} (a truncated "
+                           "or partial upload?).")
+    t = tensors[name]
+    used.add(name)
+    if not t.is_floating_point():
+        raise _fail(where, f"tensor {name!r} has dtype {t.dtype}; expected a floating-point tensor.")
+    if tuple(t.shape) != shape:
+        raise _fail(where, f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}.")
+    if not torch.isfinite(t).all():
+        raise _fail(where, f"tensor {name!r} contains NaN or Inf.")
+    return t.float()
+
+
+def _layout_from_json(value, where: str) -> GroupLayout | None:
+    if value is None:
+        return None
+    known = {f.name for f in fields(GroupLayout)}
+    if not isinstance(value, dict) or set(value) - known:
+        raise _fail(where, f"a layout must be an object with keys {sorted(known)}, got {value!r}.")
+    try:
+        return GroupLayout(**value)
+    except (TypeError, ValueError) as e:
+        raise _fail(where, f"invalid layout {value!r}: {e}") from e
+
+
+def _decode_oscar_layers(config: dict, tensors: dict, where: str) -> dict:
+    """The :class:`OscarCalibration` fields stored in config ``layers`` + tensors."""
+    layers = config.get("layers")
+    if layers is None:
+        if tensors:
+            raise _fail(where, f"{TENSORS_NAME} holds tensors but config.json lists no layers.")
+        return {}
+    n, d, h = config.get("num_layers"), config.get("head_dim"), config.get("num_key_value_heads")
+    if not isinstance(layers, list) or n is None or len(layers) != n:
+        raise _fail(where, f"config.json lists {len(layers) if isinstance(layers, list) else layers!r} layers but "
+                           f"num_layers is {n}: layers are missing.")
+    lists = {k: [None] * n for k in ("k_rotations", "v_rotations", "k_eigenvalues", "v_eigenvalues",
+                                     "key_means", "value_means")}
+    layouts, names, used = [None] * n, [None] * n, set()
+    for i, entry in enumerate(layers):
+        at = f"{where}, layer {i}"
+        if not isinstance(entry, dict):
+            raise _fail(at, f"layer entry must be an object, got {entry!r}.")
+        for kind, short in (("key", "k"), ("value", "v")):
+            for part, listname, shape in (("rotation", f"{short}_rotations", (d, d)),
+                                          ("eigenvalues", f"{short}_eigenvalues", (d,)),
+                                          ("mean", f"{kind}_means", (h, d))):
+                if not entry.get(f"{kind}_{part}"):
+                    continue
+                if None in shape:
+                    raise _fail(at, f"has a {kind} {part} but config.json does not record num_key_value_heads / "
+                                    "head_dim.")
+                t = _tensor(tensors, f"layers.{i}.{kind}_{part}", shape, at, used)
+                if part == "rotation":
+                    try:
+                        check_orthogonal(t, f"tensor 'layers.{i}.{kind}_rotation'", atol=ORTHOGONAL_ATOL)
+                    except ValueError as e:
+                        raise _fail(at, f"{e} A rotation must be orthogonal (R R^T = I).") from e
+                lists[listname][i] = t
+        pair = (_layout_from_json(entry.get("key_layout"), at), _layout_from_json(entry.get("value_layout"), at))
+        if (pair[0] is None) != (pair[1] is None):
+            raise _fail(at, "key_layout and value_layout must both be given or both be null.")
+        layouts[i], names[i] = (pair if pair[0] is not None else None), entry.get("layout")
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        raise _fail(where, f"{TENSORS_NAME} has tensors that config.json does not list: {unexpected[:5]}.")
+    kwargs = {k: (v if any(t is not None for t in v) else None) for k, v in lists.items()
+              if k in ("k_rotations", "v_rotations", "key_means", "value_means")}
+    if any(p is not None for p in layouts):
+        if any(p is None for p in layouts):
+            raise _fail(where, "some layers have calibrated layouts and some do not; give all or none.")
+        kwargs["layer_layouts"] = layouts
+    kwargs.update(
+        k_eigenvalues=lists["k_eigenvalues"] if any(t is not None for t in lists["k_eigenvalues"]) else None,
+        v_eigenvalues=lists["v_eigenvalues"] if any(t is not None for t in lists["v_eigenvalues"]) else None,
+        layout_names=names if any(x is not None for x in names) else None)
+    return kwargs
+
+
+def _apply_clip_override(layouts, key_clip, value_clip):
+    """``k_clip`` / ``v_clip`` overrides also rewrite calibrated per-layer layouts (scalar or per-layer)."""
+    def pick(v, i):
+        return v[i] if isinstance(v, (list, tuple)) else v
+    out = []
+    for i, (k, v) in enumerate(layouts):
+        out.append((replace(k, clip=pick(key_clip, i)) if key_clip is not _UNSET else k,
+                    replace(v, clip=pick(value_clip, i)) if value_clip is not _UNSET else v))
+    return out
+
+
+_UNSET = object()
+
+
+def _check_clip(value, name: str, num_layers: int | None, where: str) -> None:
+    values = value if isinstance(value, list) else [value]
+    if isinstance(value, list) and len(value) != num_layers:
+        raise _fail(where, f"{name} lists {len(value)} clip ratios but num_layers is {num_layers}.")
+    for v in values:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0):
+            raise _fail(where, f"{name} ratios must be numbers in (0, 1] or null, got {v!r}.")
+
+
+def decode_payload(cls, config: dict, tensors: dict, where: str, overrides: dict | None = None,
+                   model_config=None):
+    """Build a ``cls`` cache from a validated artifact; ``overrides`` replace stored settings (and, for OSCAR,
+    calibration fields)."""
+    _check_header(cls, config, where)
+    raw = config.get("settings", {})
+    if not isinstance(raw, dict):
+        raise _fail(where, f"'settings' must be an object, got {type(raw).__name__}.")
+    for name in ("k_clip", "v_clip"):
+        if name in raw:
+            _check_clip(raw[name], name, config.get("num_layers"), where)
+    try:
+        settings = cls.settings_type.from_dict(raw, version=config["format_version"], where=where)
+    except SettingsError as e:
+        raise ArtifactError(str(e)) from e
+    fields = {}
+    if cls.artifact_format == OSCAR_FORMAT:
+        fields = _decode_oscar_layers(config, tensors, where)
+    elif tensors:
+        raise _fail(where, f"an {cls.__name__} artifact has no tensors, but {TENSORS_NAME} holds {len(tensors)}.")
+    overrides = dict(overrides or {})
+    calibration_names = set(OscarCalibration.PER_LAYER) if cls.artifact_format == OSCAR_FORMAT else set()
+    valid = cls.settings_type.field_names() | calibration_names
+    unknown = set(overrides) - valid
+    if unknown:
+        raise TypeError(f"{cls.__name__}.from_pretrained got unknown settings {sorted(unknown)}; "
+                        f"valid overrides: {sorted(valid)}.")
+    if fields.get("layer_layouts") is not None and ("k_clip" in overrides or "v_clip" in overrides):
+        fields["layer_layouts"] = _apply_clip_override(fields["layer_layouts"], overrides.get("k_clip", _UNSET),
+                                                       overrides.get("v_clip", _UNSET))
+    fields.update({k: v for k, v in overrides.items() if k in calibration_names})
+    info = {key: config.get(key) for key in SHAPE_KEYS}
+    info.update(source=where, base_model=config.get("base_model"), base_model_revision=config.get(
+        "base_model_revision"))
+    if model_config is not None:
+        check_config(info, model_config)
+    extra = {}
+    try:
+        settings = settings.replace(**{k: v for k, v in overrides.items() if k not in calibration_names})
+        if cls.artifact_format == OSCAR_FORMAT:
+            extra["calibration"] = OscarCalibration(**fields, info=config.get("calibration"))
+        return cls(config=model_config, settings=settings, artifact_info=info, quality=config.get("quality"),
+                   **extra)
+    except (TypeError, ValueError) as e:
+        raise _fail(where, f"its settings are invalid for {cls.__name__}: {e}") from e

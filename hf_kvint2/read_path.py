@@ -1,0 +1,148 @@
+"""The read path: attention of a query over full-precision segments and one INT2 body, merged by log-sum-exp.
+
+One pipeline (:func:`attend_segments`) serves the dynamic layers' fused step, the static (export) layers and the
+Triton whole-layer step: dense partials for the full-precision segments before the body (the sink), the body's
+partial from a backend (:mod:`hf_kvint2.backends`; computed in the rotated space with ``q' = q R_K`` and
+``q.k = n_t (q'.k~) + q.mu_K``, then de-rotated once, ``out = out_rot R_V^T + mu_V``), dense partials for the
+segments after it (recent window, current chunk), and the log-sum-exp merge. GQA groups query heads by their KV
+head; K/V are never repeated. Masks follow SDPA (bool: True attends; float: added).
+
+:func:`body_partial_blocked` is the PyTorch body backend (traceable, used by the static caches) and
+:func:`reference_body_partial` the one dense reference every backend is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+# Body tokens dequantized at a time by the PyTorch body backend (dynamic and static layers).
+BODY_BLOCK_TOKENS = 512
+
+
+def mask_to_additive(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """bool (True attends) or additive float mask -> float32 additive mask (SDPA's conventions)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.float()
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def dense_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                  mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` [B, Hq, Lq, D] over full-precision ``k``/``v`` [B, Hkv, n, D], GQA by grouping.
+
+    mask: additive fp32 broadcastable to [B, 1, Lq, n]. Returns ``(out [B, Hq, Lq, D] fp32, lse [B, Hq, Lq])``;
+    a row that attends nothing gives ``(0, -inf)``.
+    """
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    q5 = q.float().reshape(b, hkv, hq // hkv, lq, d)
+    scores = scaling * (q5 @ k.float().unsqueeze(2).transpose(-1, -2))  # [B, Hkv, g, Lq, n]
+    if mask is not None:
+        scores = scores + mask.unsqueeze(1)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - finite_or_zero(lse).unsqueeze(-1))
+    out = p @ v.float().unsqueeze(2)
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of partial attentions ``(out [..., D], lse [...])`` over disjoint key sets."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+    ref = finite_or_zero(lse)
+    out = sum(torch.exp(p[1] - ref).unsqueeze(-1) * p[0] for p in parts)
+    return out, lse
+
+
+# A body-partial backend: (q_rot, key: QuantizedBody, value: QuantizedBody, *, scaling, key_mean_logits, mask,
+# **options) -> (out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32), over the bodies' ``tokens``.
+BodyPartial = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, value_body, body_mask,
+                    after: Sequence[tuple], scaling: float, body_partial: BodyPartial,
+                    **options) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over ``before`` segments, the body, ``after`` segments (that order).
+
+    before / after: ``(k, v, additive mask or None)`` full-precision segments [B, Hkv, n, D]. key_body /
+    value_body: :class:`~hf_kvint2.stream.QuantizedBody` (their ``tokens`` are attended), body_mask: bool or
+    additive over those tokens, or None. ``options`` go to the backend. Returns [B, Hq, Lq, D] in query.dtype.
+    """
+    groups = query.shape[1] // key_body.codes.shape[1]
+    qf = query.float()
+    parts = [dense_partial(qf, k, v, scaling, mask) for k, v, mask in before]
+    kc, vc = key_body.codec, value_body.codec
+    out_rot, lse = body_partial(qf @ kc.rotation, key_body, value_body, scaling=scaling,
+                                key_mean_logits=kc.mean_logits(qf, groups), mask=body_mask, **options)
+    parts.append((vc.unrotate(out_rot, groups), lse))
+    parts += [dense_partial(qf, k, v, scaling, mask) for k, v, mask in after]
+    out, _ = merge_partials(parts)
+    return out.to(query.dtype)
+
+
+def body_partial_blocked(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None,
+                         block_tokens: int = BODY_BLOCK_TOKENS):
+    """The PyTorch body backend: dequantizes ``block_tokens`` body tokens at a time (rotated space) and merges
+    blocks by online softmax, so no full-precision copy of the body exists. Traceable (the static caches export
+    it). q_rot: [B, Hq, Lq, D] (``q @ R_K``); key_mean_logits: ``q.mu_K`` [B, Hq, Lq] or None; mask: bool/additive,
+    broadcastable to [B, 1, Lq, tokens]. Returns ``(out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``.
+    """
+    b, hq, lq, d = q_rot.shape
+    n = key_body.tokens
+    hkv = key_body.codes.shape[1]
+    g = hq // hkv
+    q5 = (q_rot.float() * scaling).reshape(b, hkv, g, lq, d)
+    bias = None if key_mean_logits is None else (scaling * key_mean_logits.float()).reshape(b, hkv, g, lq, 1)
+    add = mask_to_additive(mask)
+    align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
+    block = max(align, (block_tokens // align) * align)
+    m = torch.full((b, hkv, g, lq, 1), float("-inf"), device=q_rot.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(b, hkv, g, lq, d, device=q_rot.device)
+    for t0 in range(0, n, block):
+        t1 = min(n, t0 + block)
+        k = key_body.dequantize(t0, t1, rotated=True)
+        s = q5 @ k.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, g, Lq, t]
+        if bias is not None:
+            s = s + bias
+        if add is not None:
+            s = s + add[..., t0:t1].unsqueeze(1)
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_ref = finite_or_zero(m_new)
+        p = torch.exp(s - m_ref)
+        alpha = torch.exp(m - m_ref)
+        v = value_body.dequantize(t0, t1, rotated=True)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + p @ v.unsqueeze(2)
+        m = m_new
+    out = torch.where(l > 0, acc / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(acc))
+    lse = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("-inf")))
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+def reference_body_partial(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None):
+    """The dense reference of every body backend: dequantize the whole body (rotated space, norms applied),
+    SDPA-style scores with GQA by grouping, softmax in fp32. Returns ``(out_rot, lse)``."""
+    b, hq, lq, d = q_rot.shape
+    k, v = key_body.dequantize(rotated=True), value_body.dequantize(rotated=True)
+    n, hkv = key_body.tokens, k.shape[1]
+    q = q_rot.float().reshape(b, hkv, hq // hkv, lq, d)
+    scores = scaling * (q @ k.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, rep, Lq, T]
+    if key_mean_logits is not None:
+        scores = scores + scaling * key_mean_logits.float().reshape(b, hkv, hq // hkv, lq, 1)
+    add = mask_to_additive(mask)
+    if add is not None:
+        scores = scores + add.expand(b, 1, lq, n).unsqueeze(1)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - finite_or_zero(lse).unsqueeze(-1))
+    return (p @ v.unsqueeze(2)).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)

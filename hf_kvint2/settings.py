@@ -1,0 +1,248 @@
+"""Typed settings of the two caches: frozen dataclasses with their defaults, one validation, and the versioned
+dict form the Hub format stores (``settings`` in an artifact's ``config.json``).
+
+* :class:`OscarScaledSettings` - ``OscarScaledCache``: windows, group sizes, Hadamard block, token scaling.
+* :class:`OscarSettings` - ``OscarCache``: windows, group size, clip ratios (one or one per layer).
+* :class:`OscarCalibration` - what ``OscarCache.calibrate`` fits per layer (rotations, means, layouts, ...).
+
+Validation lives in :func:`validate` (called by every constructor): each field declares its kind in
+``field(metadata={"kind": ...})`` and a value of another type is refused with an error that names the setting and
+the expected type (a string ``"false"`` for a bool, ``True`` for a group size). :meth:`to_dict` gives JSON
+values (dtypes as names); :meth:`from_dict` reads the dict of any format version up to
+:data:`SETTINGS_VERSION`, refusing unknown keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .quant import SCALE_DTYPES
+from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
+
+SETTINGS_VERSION = 1  # the artifact format_version whose settings dict to_dict writes
+SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class SettingsError(ValueError):
+    """A setting of the wrong type or out of range."""
+
+
+# ---------------------------------------------------------------------------------------------- kinds
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_ratio(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and 0.0 < v <= 1.0
+
+
+KINDS = {  # kind -> (check, what the error says is expected)
+    "non_negative_int": (lambda v: _is_int(v) and v >= 0, "a non-negative int"),
+    "positive_int": (lambda v: _is_int(v) and v > 0, "a positive int"),
+    "optional_positive_int": (lambda v: v is None or (_is_int(v) and v > 0), "a positive int or None"),
+    "bool": (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    "scale_dtype": (lambda v: v in SCALE_DTYPES, f"one of {SCALE_DTYPES}"),
+    "clip": (lambda v: v is None or _is_ratio(v) or (isinstance(v, tuple) and len(v) > 0 and all(
+        x is None or _is_ratio(x) for x in v)), "a clip ratio in (0, 1], None, or a per-layer sequence of them"),
+}
+
+
+def validate(settings) -> None:
+    """Check every field of a settings dataclass against its declared kind (the one place settings are checked)."""
+    name = type(settings).__name__
+    for f in dataclasses.fields(settings):
+        kind = f.metadata.get("kind")
+        if kind is None:
+            continue
+        check, expected = KINDS[kind]
+        value = getattr(settings, f.name)
+        if not check(value):
+            raise SettingsError(f"{name}: {f.name} must be {expected}, got {value!r} ({type(value).__name__}).")
+
+
+class _Settings:
+    """Shared behaviour of the settings dataclasses (frozen; validated on construction)."""
+
+    def __post_init__(self):
+        validate(self)
+
+    def replace(self, **changes) -> _Settings:
+        """A copy with ``changes`` (validated); unknown names are refused."""
+        unknown = set(changes) - self.field_names()
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no settings {sorted(unknown)}; valid: "
+                            f"{sorted(self.field_names())}.")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON values (dtypes by name, per-layer clips as lists), in the current :data:`SETTINGS_VERSION`."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            elif f.metadata.get("kind") == "clip" and value is not None:  # ratios as floats, per-layer as a list
+                value = [None if v is None else float(v) for v in value] if isinstance(value, tuple) else float(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, version: int = SETTINGS_VERSION, where: str = "settings"):
+        """Settings from :meth:`to_dict` output of format ``version`` (1: the current form); missing keys take
+        their defaults, unknown keys and wrong types are refused with an error naming the key."""
+        if not isinstance(data, dict):
+            raise SettingsError(f"{where}: 'settings' must be an object, got {type(data).__name__}.")
+        if not (_is_int(version) and 1 <= version <= SETTINGS_VERSION):
+            raise SettingsError(f"{where}: settings version {version!r} is not one this hf_kvint2 reads "
+                                f"(1..{SETTINGS_VERSION}).")
+        unknown = set(data) - cls.field_names()
+        if unknown:
+            raise SettingsError(f"{where}: unknown settings {sorted(unknown)} for {cls.__name__} (known: "
+                                f"{sorted(cls.field_names())}); was it written by a newer hf_kvint2?")
+        values = dict(data)
+        if "scale_dtype" in values:
+            if values["scale_dtype"] not in SCALE_DTYPE_NAMES:
+                raise SettingsError(f"{where}: scale_dtype {values['scale_dtype']!r} is not one of "
+                                    f"{sorted(SCALE_DTYPE_NAMES)}.")
+            values["scale_dtype"] = SCALE_DTYPE_NAMES[values["scale_dtype"]]
+        for name in ("k_clip", "v_clip"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
+        try:
+            return cls(**values)
+        except SettingsError as e:
+            raise SettingsError(f"{where}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------- the caches
+@dataclass(frozen=True)
+class OscarScaledSettings(_Settings):
+    """OScaR (SPEC 4): block Hadamard rotation, keys per channel over token groups with omni-token scaling,
+    values per token over channel groups, a full-precision recent window. ``key_group_size`` /
+    ``value_group_size`` default to ``group_size``; ``hadamard_block`` to the largest power of two dividing
+    head_dim."""
+
+    sink_tokens: int = field(default=0, metadata={"kind": "non_negative_int"})
+    recent_tokens: int = field(default=128, metadata={"kind": "non_negative_int"})
+    group_size: int = field(default=32, metadata={"kind": "positive_int"})
+    key_group_size: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
+    value_group_size: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
+    hadamard_block: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
+    token_scaling: bool = field(default=True, metadata={"kind": "bool"})
+    scale_dtype: torch.dtype = field(default=torch.float16, metadata={"kind": "scale_dtype"})
+
+    def recipe(self) -> LayerRecipe:
+        return oscar_scaled_recipe(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True)
+class OscarSettings(_Settings):
+    """OSCAR (SPEC 3): windows, the per-token group size (capped at head_dim) and the clip ratios of keys and
+    values (one ratio, None for no clipping, or one per layer)."""
+
+    k_clip: float | tuple[float | None, ...] | None = field(default=0.96, metadata={"kind": "clip"})
+    v_clip: float | tuple[float | None, ...] | None = field(default=0.92, metadata={"kind": "clip"})
+    sink_tokens: int = field(default=64, metadata={"kind": "non_negative_int"})
+    recent_tokens: int = field(default=256, metadata={"kind": "non_negative_int"})
+    group_size: int = field(default=128, metadata={"kind": "positive_int"})
+    scale_dtype: torch.dtype = field(default=torch.float16, metadata={"kind": "scale_dtype"})
+
+    def __post_init__(self):
+        for name in ("k_clip", "v_clip"):  # a per-layer list is stored as a tuple (frozen, hashable)
+            value = getattr(self, name)
+            if isinstance(value, Sequence) and not isinstance(value, (str, bytes, tuple)):
+                object.__setattr__(self, name, tuple(value))
+        super().__post_init__()
+
+    def clip_for(self, name: str, layer_idx: int) -> float | None:
+        value = getattr(self, name)
+        if isinstance(value, tuple):
+            if layer_idx >= len(value):
+                raise ValueError(f"{name} has {len(value)} entries but the model has a layer {layer_idx}: the "
+                                 "calibration does not match this model's layer count.")
+            return value[layer_idx]
+        return value
+
+
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
+class OscarCalibration:
+    """What calibration fits per layer (entries may be None: Hadamard rotation, not centred, default layout).
+
+    k_rotations / v_rotations ``[d, d]`` orthogonal, key_means / value_means ``[kv_heads, d]``, layer_layouts
+    ``(key GroupLayout, value GroupLayout)`` pairs, k_eigenvalues / v_eigenvalues ``[d]`` (provenance for the
+    card), layout_names (strings), info (a JSON-able description: data, token count, ...)."""
+
+    k_rotations: tuple | None = None
+    v_rotations: tuple | None = None
+    key_means: tuple | None = None
+    value_means: tuple | None = None
+    layer_layouts: tuple | None = None
+    k_eigenvalues: tuple | None = None
+    v_eigenvalues: tuple | None = None
+    layout_names: tuple | None = None
+    info: dict | None = None
+
+    PER_LAYER = ("k_rotations", "v_rotations", "key_means", "value_means", "layer_layouts", "k_eigenvalues",
+                 "v_eigenvalues", "layout_names")
+
+    def __post_init__(self):
+        for name in self.PER_LAYER:
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Sequence):
+                    raise SettingsError(f"OscarCalibration: {name} must be a per-layer sequence or None, got "
+                                        f"{type(value).__name__}.")
+                object.__setattr__(self, name, tuple(value))
+        for pair in self.layer_layouts or ():
+            if pair is not None and not (len(pair) == 2 and all(isinstance(x, GroupLayout) for x in pair)):
+                raise SettingsError(f"OscarCalibration: layer_layouts entries must be (key GroupLayout, value "
+                                    f"GroupLayout) pairs, got {pair!r}.")
+
+    @property
+    def calibrated(self) -> bool:
+        return self.k_rotations is not None
+
+    def num_layers(self) -> int | None:
+        lengths = {len(getattr(self, n)) for n in self.PER_LAYER if getattr(self, n) is not None}
+        return next(iter(lengths)) if len(lengths) == 1 else (None if not lengths else max(lengths))
+
+    def check_layers(self, num_layers: int) -> None:
+        for name in ("k_rotations", "v_rotations", "key_means", "value_means", "layer_layouts"):
+            seq = getattr(self, name)
+            if seq is not None and len(seq) != num_layers:
+                raise ValueError(f"{name} has {len(seq)} entries but the model has {num_layers} layers: the "
+                                 "calibration does not match this model.")
+
+    def entry(self, name: str, layer_idx: int):
+        seq = getattr(self, name)
+        if seq is None:
+            return None
+        if layer_idx >= len(seq):
+            raise ValueError(f"{name} has {len(seq)} entries but the model has a layer {layer_idx}: the "
+                             "calibration does not match this model's layer count.")
+        return seq[layer_idx]
+
+
+def oscar_layer_recipe(settings: OscarSettings, calibration: OscarCalibration, layer_idx: int) -> LayerRecipe:
+    """The recipe of one layer of an ``OscarCache``."""
+    layouts = calibration.entry("layer_layouts", layer_idx) or (None, None)
+    return oscar_recipe(
+        key_rotation=calibration.entry("k_rotations", layer_idx),
+        value_rotation=calibration.entry("v_rotations", layer_idx),
+        k_clip=settings.clip_for("k_clip", layer_idx), v_clip=settings.clip_for("v_clip", layer_idx),
+        sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens, group_size=settings.group_size,
+        key_mean=calibration.entry("key_means", layer_idx), value_mean=calibration.entry("value_means", layer_idx),
+        key_layout=layouts[0], value_layout=layouts[1], scale_dtype=settings.scale_dtype)
+
+
+__all__ = ["SETTINGS_VERSION", "OscarCalibration", "OscarScaledSettings", "OscarSettings", "SettingsError",
+           "oscar_layer_recipe", "validate"]

@@ -1,0 +1,202 @@
+"""One forward of one cache layer as the attention sees it: a step object, and the placeholders that carry it.
+
+transformers calls ``cache.update(k, v, layer_idx)`` and passes what it returns to the attention function. An
+Oscar layer's ``update`` wraps the forward in a step (:class:`LayerStep` for the dynamic layers,
+:class:`StaticStep` for the static ones) and returns either
+
+* the **portable view** (every token in the original space, body dequantized): ordinary tensors, tagged with the
+  layer (``oscar_layer`` attribute, a weak reference) so that the ``"oscar"`` attention can tell the layer it is
+  read by ``"oscar"`` (``layer.fused_attention = True``); or, once that flag is set,
+* :class:`DeferredKV` placeholders (no storage) that carry the step. The ``"oscar"`` attention calls
+  ``step.attend``; any other attention implementation that touches a placeholder gets the portable view, so
+  results are right whatever the model's attention implementation is.
+
+Everything the attention needs travels on these objects; there is no module-level state.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .backends import select_body_partial
+from .read_path import attend_segments, mask_to_additive
+
+PORTABLE_PATH_WARNING = (
+    "hf_kvint2: this Oscar cache is read through the portable attention path, which dequantizes the layer's whole "
+    "INT2 cache at every step (slow). Load the model with attn_implementation=\"oscar\" (or call "
+    "model.set_attn_implementation(\"oscar\")) after `import hf_kvint2` for the fused INT2 attention."
+)
+_portable_warning = {"issued": False}  # warn once per process (a user-facing notice, not state of a computation)
+
+
+def warn_portable_path_once() -> None:
+    if not _portable_warning["issued"]:
+        _portable_warning["issued"] = True
+        warnings.warn(PORTABLE_PATH_WARNING, UserWarning, stacklevel=3)
+
+
+def portable_output(layer, keys: torch.Tensor, values: torch.Tensor, body_tokens: int):
+    """Return the portable view, tagged with its layer (see the module docstring); warns once if slow."""
+    if body_tokens:
+        warn_portable_path_once()
+    keys.oscar_layer = weakref.ref(layer)
+    return keys, values
+
+
+class _Step:
+    """What both step kinds share: the portable view made once (``_view``) and released after use, and the
+    output of ``update`` (placeholders with ``like``'s batch/heads/dtype, or the tagged portable view)."""
+
+    __slots__ = ()
+
+    def _view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The portable view: every token in the original space and the model's dtype (body dequantized)."""
+        if self._full is None:
+            self._full = self._view()
+        return self._full
+
+    def release(self) -> None:
+        """Drop the cached portable view (the caller owns the tensors; keep no full-precision history)."""
+        self._full = None
+
+    def output(self, like: torch.Tensor):
+        """What ``update`` returns: placeholders once the layer is read by ``"oscar"``, else the portable view."""
+        if self.layer.fused_attention:
+            return DeferredKV.make(self, 0, like), DeferredKV.make(self, 1, like)
+        keys, values = self.materialize()
+        self.release()
+        return portable_output(self.layer, keys, values, self.body_tokens)
+
+
+class LayerStep(_Step):
+    """One forward of one :class:`~hf_kvint2.layers.OscarLayer`.
+
+    Token order: ``sink_k`` (past sink tokens), the first ``body_tokens`` tokens of the layer's INT2 body, then
+    ``tail_k`` (past recent tokens followed by the current chunk, all full precision). Tokens of the current chunk
+    that were already demoted to the body or stored in the sink are attended from the chunk itself.
+    """
+
+    __slots__ = ("__weakref__", "_full", "body_tokens", "layer", "sink_k", "sink_v", "tail_k", "tail_v")
+
+    def __init__(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
+        n_new = key_states.shape[-2]
+        past = layer.seq_len - n_new
+        n_sink = layer.sink_k.shape[-2]
+        self.layer = layer
+        self.sink_k, self.sink_v = layer.sink_k[:, :, :min(n_sink, past)], layer.sink_v[:, :, :min(n_sink, past)]
+        self.body_tokens = min(max(past - n_sink, 0), layer.body_len)
+        recent_past = past - n_sink - layer.body_len
+        if n_new <= layer.recent_k.shape[-2]:  # the chunk is the newest part of the recent window
+            self.tail_k, self.tail_v = layer.recent_k, layer.recent_v
+        else:  # the chunk overflowed the window, so every recent token is from it
+            assert recent_past <= 0, "OscarLayer invariant: an overflowing chunk fills the whole recent window"
+            self.tail_k, self.tail_v = key_states, value_states
+        self._full = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.sink_k.shape[-2] + self.body_tokens + self.tail_k.shape[-2]
+
+    def _view(self):
+        ks, vs = [self.sink_k], [self.sink_v]
+        if self.body_tokens:
+            n, dtype = self.body_tokens, self.sink_k.dtype
+            ks.append(self.layer.key_body.dequantize()[:, :, :n].to(dtype))
+            vs.append(self.layer.value_body.dequantize()[:, :, :n].to(dtype))
+        ks.append(self.tail_k)
+        vs.append(self.tail_v)
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+               is_causal: bool) -> torch.Tensor:
+        """Fused attention of ``query`` [B, Hq, Lq, D] over the step, the body read from its codes (SDPA's mask
+        conventions; ``is_causal`` without a mask is top-left aligned, as in SDPA). Returns [B, Hq, Lq, D]."""
+        layer = self.layer
+        lq = query.shape[2]
+        n_sink, n_body, total = self.sink_k.shape[-2], self.body_tokens, self.seq_len
+        if attention_mask is None and is_causal and lq > 1:
+            attention_mask = torch.ones(lq, total, dtype=torch.bool, device=query.device).tril()[None, None]
+        mask = mask_to_additive(attention_mask[..., :total]) if attention_mask is not None else None
+
+        def cols(a, z):
+            return None if mask is None else mask[..., a:z]
+
+        before = [(self.sink_k, self.sink_v, cols(0, n_sink))] if n_sink else []
+        after = [(self.tail_k, self.tail_v, cols(n_sink + n_body, total))]
+        backend = select_body_partial(query.device)
+        return attend_segments(query, before, layer.key_body.read(n_body), layer.value_body.read(n_body),
+                               cols(n_sink, n_sink + n_body), after, scaling, backend.run)
+
+
+class StaticStep(_Step):
+    """One eager forward of a :class:`~hf_kvint2.static_layer.StaticOscarLayer`: ``attend`` is the layer's own
+    fixed-shape attention, ``materialize`` its portable full view (every slot by absolute position)."""
+
+    __slots__ = ("__weakref__", "_full", "body_tokens", "key_states", "layer", "value_states")
+
+    def __init__(self, layer, key_states, value_states, body_tokens: int):
+        self.layer, self.key_states, self.value_states = layer, key_states, value_states
+        self.body_tokens = body_tokens
+        self._full = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.layer.max_cache_len
+
+    def _view(self):
+        return self.layer.full_view(self.key_states, self.value_states)
+
+    def attend(self, query, attention_mask, scaling, is_causal):
+        return self.layer.attend(query, self.key_states, self.value_states, attention_mask, scaling)
+
+
+_METADATA_FUNCS = {
+    torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+    torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_floating_point,
+    torch.Tensor.__len__, torch.Tensor.element_size, torch.Tensor.numel,
+}
+
+
+class DeferredKV(torch.Tensor):
+    """Zero-storage stand-in for a layer's full K (``which=0``) or V (``which=1``) in one forward.
+
+    It has the shape, dtype and device of the portable view. The ``"oscar"`` attention reads ``.step``; any other
+    torch operation on it first materializes the portable view (dequantizing the body), so other attention
+    implementations still compute the right thing.
+    """
+
+    step: LayerStep | StaticStep
+    which: int
+
+    @staticmethod
+    def make(step, which: int, like: torch.Tensor) -> DeferredKV:
+        """A placeholder with ``like``'s batch, heads, head_dim, dtype and device, and the step's length."""
+        shape = (*like.shape[:2], step.seq_len, like.shape[-1])
+        t = like.new_zeros(()).expand(shape).as_subclass(DeferredKV)
+        t.step, t.which = step, which
+        return t
+
+    def full(self) -> torch.Tensor:
+        if self.step.body_tokens:
+            warn_portable_path_once()
+        return self.step.materialize()[self.which]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA_FUNCS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = pytree.tree_map_only(DeferredKV, lambda t: t.full(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self, **kwargs):
+        return f"DeferredKV(layer={self.step.layer.layer_idx}, which={'KV'[self.which]}, shape={tuple(self.shape)})"

@@ -1,0 +1,123 @@
+"""The import layers of ARCHITECTURE.md, enforced over the source (no import is executed).
+
+Every ``import`` of a first-party module counts, at module level and inside functions alike. The graph of
+``hf_kvint2`` and ``kernels`` (installed as ``hf_kvint2.kernels``) must have no cycle, and a first-party module
+may be imported inside a function only when it needs an optional third-party dependency (``LAZY_ALLOWED``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"hf_kvint2": ROOT / "hf_kvint2", "hf_kvint2.kernels": ROOT / "kernels"}
+# First-party modules imported inside functions on purpose: the Triton kernels import Triton (optional) at their
+# top; kernels.reference imports hf_kvint2, and the kernels package must import nothing at its top (transformers
+# imports a top-level ``kernels`` when it probes for the Hub package of that name; see kernels/__init__.py).
+LAZY_ALLOWED = {"hf_kvint2.kernels.decode_attention", "hf_kvint2.kernels.quantize_pack",
+                "hf_kvint2.kernels.reference"}
+
+
+def module_files() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The first-party module ``name`` refers to (a package attribute that is a module counts as the module)."""
+    name = name.replace("kernels", "hf_kvint2.kernels", 1) if name.split(".")[0] == "kernels" else name
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, bool, int]]:
+    """(imported first-party module, whether at module level, line) for every import statement of ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    top_level = {id(node) for node in tree.body}
+    top_level |= {id(n) for node in tree.body if isinstance(node, (ast.If, ast.Try)) for n in ast.walk(node)}
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            targets = [f"{prefix}.{alias.name}" for alias in node.names] if prefix in modules or \
+                _resolve(prefix, modules) else []
+        for target in targets:
+            resolved = _resolve(target, modules)
+            if resolved is not None and resolved != module:
+                out.append((resolved, id(node) in top_level, node.lineno))
+    return out
+
+
+def import_graph() -> tuple[dict[str, set[str]], list[str]]:
+    modules = module_files()
+    graph, lazy = {m: set() for m in modules}, []
+    for module, path in modules.items():
+        for target, at_top, line in imports_of(module, path, modules):
+            graph[module].add(target)
+            if not at_top and target not in LAZY_ALLOWED:
+                lazy.append(f"{path.relative_to(ROOT)}:{line} imports {target} inside a function")
+    return graph, lazy
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    graph, _ = import_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_first_party_imports_at_module_level():
+    _, lazy = import_graph()
+    assert not lazy, "first-party imports inside functions (only optional dependencies may be lazy):\n" + \
+        "\n".join(lazy)
+
+
+def test_checker_sees_function_level_cycles(tmp_path):
+    """The checker itself: a cycle closed by an import inside a function is found."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": set()}
+    assert find_cycle(graph) in (["a", "b", "a"], ["b", "a", "b"])
+    mod = tmp_path / "m.py"
+    mod.write_text("def f():\n    from hf_kvint2 import cache\n")
+    found = imports_of("hf_kvint2.zzz", mod, module_files())
+    assert found == [("hf_kvint2.cache", False, 2)]
