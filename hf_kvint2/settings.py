@@ -52,6 +52,26 @@ KINDS = {  # kind -> (check, what the error says is expected)
 }
 
 
+# Integer settings and the largest value a stored artifact may set (a window or group this large is a corrupt or
+# hostile file: the static caches allocate them). Settings passed in Python are not bounded here.
+MAX_HEAD_DIM = 2048  # hub.safety.MAX_HEAD_DIM: the largest head_dim an artifact may declare
+SETTING_BOUNDS = {"sink_tokens": 1 << 20, "recent_tokens": 1 << 20, "group_size": 1 << 16,
+                  "key_group_size": 1 << 16, "value_group_size": 1 << 16, "hadamard_block": MAX_HEAD_DIM}
+_OPTIONAL = ("key_group_size", "value_group_size", "hadamard_block")
+
+
+def check_setting_bounds(values: dict, where: str) -> None:
+    """Stored integer settings must be integers within :data:`SETTING_BOUNDS` (``None`` where optional)."""
+    for key, bound in SETTING_BOUNDS.items():
+        if key not in values or (values[key] is None and key in _OPTIONAL):
+            continue
+        v = values[key]
+        if not _is_int(v) or not 0 <= v <= bound:
+            raise SettingsError(f"{where}: settings.{key} must be an integer in [0, {bound}]"
+                                f"{' or null' if key in _OPTIONAL else ''}, got {v!r}. Fix config.json or "
+                                f"override it: from_pretrained(..., {key}=...).")
+
+
 def validate(settings) -> None:
     """Check every field of a settings dataclass against its declared kind (the one place settings are checked)."""
     name = type(settings).__name__
@@ -109,8 +129,9 @@ class _Settings:
             raise SettingsError(f"{where}: unknown settings {sorted(unknown)} for {cls.__name__} (known: "
                                 f"{sorted(cls.field_names())}); was it written by a newer hf_kvint2?")
         values = dict(data)
+        check_setting_bounds(values, where)
         if "scale_dtype" in values:
-            if values["scale_dtype"] not in SCALE_DTYPE_NAMES:
+            if not isinstance(values["scale_dtype"], str) or values["scale_dtype"] not in SCALE_DTYPE_NAMES:
                 raise SettingsError(f"{where}: scale_dtype {values['scale_dtype']!r} is not one of "
                                     f"{sorted(SCALE_DTYPE_NAMES)}.")
             values["scale_dtype"] = SCALE_DTYPE_NAMES[values["scale_dtype"]]

@@ -15,6 +15,8 @@ from ..recipes import GroupLayout
 from ..settings import OscarCalibration, SettingsError
 from ..transforms import check_orthogonal
 from ..version import __version__
+from . import safety
+from .safety import ArtifactError
 
 FORMAT_VERSION = 1
 OSCAR_FORMAT = "hf_kvint2.oscar"
@@ -23,10 +25,6 @@ CONFIG_NAME = "config.json"
 TENSORS_NAME = "model.safetensors"
 SHAPE_KEYS = ("num_layers", "num_key_value_heads", "head_dim")
 ORTHOGONAL_ATOL = 1e-4
-
-
-class ArtifactError(ValueError):
-    """A calibration artifact that is malformed, hostile, or made for another model."""
 
 
 def model_shape_from_config(config) -> dict:
@@ -180,6 +178,8 @@ def _check_header(cls, config, where: str) -> None:
                            "model config? Pass the calibration's folder or subfolder. A reference OSCAR RotationZoo? "
                            "Use OscarCache.from_rotation_zoo(...).")
     fmt, version = config["format"], config.get("format_version")
+    if not isinstance(fmt, str):
+        raise _fail(where, f"'format' must be a string such as {cls.artifact_format!r}, got {fmt!r}.")
     if fmt != cls.artifact_format:
         other = {OSCAR_FORMAT: "OscarCache", OSCAR_SCALED_FORMAT: "OscarScaledCache"}.get(fmt)
         hint = f"load it with {other}.from_pretrained(...)" if other else "it is not an hf_kvint2 cache format"
@@ -189,10 +189,37 @@ def _check_header(cls, config, where: str) -> None:
     if version > FORMAT_VERSION:
         raise _fail(where, f"format_version {version} is newer than this hf_kvint2 reads ({FORMAT_VERSION}); "
                            "upgrade it: pip install -U hf-kvint2.")
-    for key in SHAPE_KEYS:
+    for key, bound in zip(SHAPE_KEYS, (safety.MAX_LAYERS, safety.MAX_KV_HEADS, safety.MAX_HEAD_DIM)):
         v = config.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-            raise _fail(where, f"{key} must be a positive integer or null, got {v!r}.")
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= bound):
+            raise _fail(where, f"{key} must be a positive integer up to {bound} or null, got {v!r}.")
+
+
+def expected_tensor_shapes(config: dict, model_config, where: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor ``config.json`` lists (what ``model.safetensors`` must hold), checked against
+    the model's config first when given, so that nothing is loaded for another model."""
+    if model_config is not None:
+        info = {key: config.get(key) for key in SHAPE_KEYS}
+        info.update(source=where, base_model=config.get("base_model"))
+        check_shape(info, model_shape_from_config(model_config), f"the model config ({type(model_config).__name__})")
+    layers = config.get("layers")
+    n = config.get("num_layers")
+    if not isinstance(layers, list) or n is None or len(layers) != n:
+        raise _fail(where, f"config.json lists {len(layers) if isinstance(layers, list) else layers!r} layers but "
+                           f"num_layers is {n}: layers are missing.")
+    d, h = config.get("head_dim"), config.get("num_key_value_heads")
+    shapes = {}
+    for i, entry in enumerate(layers):
+        if not isinstance(entry, dict):
+            raise _fail(f"{where}, layer {i}", f"layer entry must be an object, got {entry!r}.")
+        for kind in ("key", "value"):
+            for part, shape in (("rotation", (d, d)), ("eigenvalues", (d,)), ("mean", (h, d))):
+                if _layer_has(entry, f"{kind}_{part}", i, where):
+                    if None in shape:
+                        raise _fail(f"{where}, layer {i}", f"has a {kind} {part} but config.json does not record "
+                                                           "num_key_value_heads / head_dim.")
+                    shapes[f"layers.{i}.{kind}_{part}"] = shape
+    return shapes
 
 
 def _tensor(tensors: dict, name: str, shape: tuple, where: str, used: set) -> torch.Tensor:
@@ -208,6 +235,15 @@ def _tensor(tensors: dict, name: str, shape: tuple, where: str, used: set) -> to
     if not torch.isfinite(t).all():
         raise _fail(where, f"tensor {name!r} contains NaN or Inf.")
     return t.float()
+
+
+def _layer_has(entry: dict, key: str, i: int, where: str) -> bool:
+    """Whether layer entry ``i`` of config.json lists tensor ``key`` (a JSON bool, or absent/null)."""
+    v = entry.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise _fail(where, f"config.json key layers[{i}].{key} must be true, false or null (whether "
+                           f"{TENSORS_NAME} holds the tensor), got {v!r} ({type(v).__name__}).")
+    return bool(v)
 
 
 def _layout_from_json(value, where: str) -> GroupLayout | None:
@@ -244,7 +280,7 @@ def _decode_oscar_layers(config: dict, tensors: dict, where: str) -> dict:
             for part, listname, shape in (("rotation", f"{short}_rotations", (d, d)),
                                           ("eigenvalues", f"{short}_eigenvalues", (d,)),
                                           ("mean", f"{kind}_means", (h, d))):
-                if not entry.get(f"{kind}_{part}"):
+                if not _layer_has(entry, f"{kind}_{part}", i, where):
                     continue
                 if None in shape:
                     raise _fail(at, f"has a {kind} {part} but config.json does not record num_key_value_heads / "
@@ -259,7 +295,11 @@ def _decode_oscar_layers(config: dict, tensors: dict, where: str) -> dict:
         pair = (_layout_from_json(entry.get("key_layout"), at), _layout_from_json(entry.get("value_layout"), at))
         if (pair[0] is None) != (pair[1] is None):
             raise _fail(at, "key_layout and value_layout must both be given or both be null.")
-        layouts[i], names[i] = (pair if pair[0] is not None else None), entry.get("layout")
+        name = entry.get("layout")
+        if name is not None and not isinstance(name, str):
+            raise _fail(at, f"config.json key layers[{i}].layout must be a string (the layout's name) or null, got "
+                            f"{name!r} ({type(name).__name__}).")
+        layouts[i], names[i] = (pair if pair[0] is not None else None), name
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise _fail(where, f"{TENSORS_NAME} has tensors that config.json does not list: {unexpected[:5]}.")
@@ -299,19 +339,47 @@ def _check_clip(value, name: str, num_layers: int | None, where: str) -> None:
             raise _fail(where, f"{name} ratios must be numbers in (0, 1] or null, got {v!r}.")
 
 
+# Top-level metadata keys of config.json and the JSON types they may have (None: absent or null).
+_METADATA_TYPES = {"base_model": (str,), "base_model_revision": (str,), "quality": (list,), "calibration": (dict,),
+                   "hf_kvint2_version": (str,)}
+
+
+def _check_metadata_types(config: dict, where: str) -> None:
+    for key, types in _METADATA_TYPES.items():
+        v = config.get(key)
+        if v is not None and not isinstance(v, types):
+            names = " or ".join({str: "a string", list: "a list", dict: "an object"}[t] for t in types)
+            raise _fail(where, f"{key} must be {names} or null, got {v!r} ({type(v).__name__}).")
+
+
+def _check_mean_range(fields: dict, scale_dtype, where: str) -> None:
+    """A stored mean is subtracted from every K/V before quantization: one beyond half the scale dtype's range
+    makes every update fail with an error about the K/V. Blame the artifact instead, at load."""
+    dtype = scale_dtype if scale_dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
+    limit = torch.finfo(dtype).max / 2
+    for kind, name in (("key", "key_means"), ("value", "value_means")):
+        for i, mean in enumerate(fields.get(name) or ()):
+            if isinstance(mean, torch.Tensor) and mean.numel() and mean.abs().max().item() > limit:
+                raise _fail(where, f"tensor 'layers.{i}.{kind}_mean' has values up to {mean.abs().max().item():.4g}, "
+                                   f"beyond what scale_dtype={dtype} can hold once subtracted from the K/V (max "
+                                   f"{limit:.4g}); the artifact is corrupt or not for this model. Re-calibrate it.")
+
+
 def decode_payload(cls, config: dict, tensors: dict, where: str, overrides: dict | None = None,
                    model_config=None):
     """Build a ``cls`` cache from a validated artifact; ``overrides`` replace stored settings (and, for OSCAR,
     calibration fields)."""
-    _check_header(cls, config, where)
+    cfg = f"{where}, {CONFIG_NAME}"  # errors about a key of config.json name the file
+    _check_header(cls, config, cfg)
     raw = config.get("settings", {})
     if not isinstance(raw, dict):
-        raise _fail(where, f"'settings' must be an object, got {type(raw).__name__}.")
+        raise _fail(cfg, f"'settings' must be an object, got {type(raw).__name__}.")
     for name in ("k_clip", "v_clip"):
         if name in raw:
-            _check_clip(raw[name], name, config.get("num_layers"), where)
+            _check_clip(raw[name], name, config.get("num_layers"), cfg)
+    _check_metadata_types(config, cfg)
     try:
-        settings = cls.settings_type.from_dict(raw, version=config["format_version"], where=where)
+        settings = cls.settings_type.from_dict(raw, version=config["format_version"], where=cfg)
     except SettingsError as e:
         raise ArtifactError(str(e)) from e
     fields = {}
@@ -330,6 +398,7 @@ def decode_payload(cls, config: dict, tensors: dict, where: str, overrides: dict
         fields["layer_layouts"] = _apply_clip_override(fields["layer_layouts"], overrides.get("k_clip", _UNSET),
                                                        overrides.get("v_clip", _UNSET))
     fields.update({k: v for k, v in overrides.items() if k in calibration_names})
+    _check_mean_range(fields, overrides.get("scale_dtype", settings.scale_dtype), where)
     info = {key: config.get(key) for key in SHAPE_KEYS}
     info.update(source=where, base_model=config.get("base_model"), base_model_revision=config.get(
         "base_model_revision"))

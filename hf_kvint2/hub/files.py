@@ -7,7 +7,16 @@ import json
 import os
 from pathlib import Path
 
-from .artifact import CONFIG_NAME, TENSORS_NAME, _check_header, _fail, artifact_payload, decode_payload
+from . import safety
+from .artifact import (
+    CONFIG_NAME,
+    TENSORS_NAME,
+    _check_header,
+    _fail,
+    artifact_payload,
+    decode_payload,
+    expected_tensor_shapes,
+)
 from .card import CARD_NAME, render_card
 
 # Artifacts shipped inside the package (package data): ``OscarCache.from_pretrained(<id>)`` loads them from here
@@ -29,8 +38,10 @@ def _hub_errors():
 
 def resolve_file(repo_or_path, filename: str, *, subfolder=None, revision=None, cache_dir=None, token=None,
                  local_files_only=False) -> Path:
-    """A file of an artifact: from an embedded artifact, a local folder, or the Hub (``hf_hub_download``)."""
+    """A file of an artifact: from an embedded artifact, a local folder, or the Hub (``hf_hub_download``); always
+    a regular file inside the artifact's folder (:func:`safety.regular_file`)."""
     name = str(repo_or_path)
+    subfolder = safety.safe_subfolder(subfolder)
     if name in EMBEDDED_ARTIFACTS and revision is None and subfolder is None:
         folder = EMBEDDED_ARTIFACTS[name]
         if not (folder / CONFIG_NAME).exists():
@@ -39,19 +50,19 @@ def resolve_file(repo_or_path, filename: str, *, subfolder=None, revision=None, 
                           "calibrate_oscar.py.")
         if not (folder / filename).exists():
             raise OSError(f"{folder / filename} is missing from this installation of hf_kvint2; reinstall it.")
-        return folder / filename
+        return safety.regular_file(folder / filename, folder, f"artifact {name!r}")
     local = Path(os.path.expanduser(name))
     if local.is_dir():
         path = local / (subfolder or "") / filename
         if not path.exists():
             raise OSError(f"{path} does not exist: {local} is not an hf_kvint2 artifact folder"
                           f"{' (check subfolder=)' if subfolder else ''}.")
-        return path
+        return safety.regular_file(path, local, f"artifact {name!r}")
     from huggingface_hub import hf_hub_download
 
     entry_missing, http_error, invalid, not_cached = _hub_errors()
     try:
-        return Path(hf_hub_download(name, filename, subfolder=subfolder, revision=revision, cache_dir=cache_dir,
+        path = Path(hf_hub_download(name, filename, subfolder=subfolder, revision=revision, cache_dir=cache_dir,
                                     token=token, local_files_only=local_files_only))
     except not_cached as e:  # before entry_missing: it subclasses it
         raise OSError(f"{filename} of {name} is not in the local Hub cache and downloading is disabled (offline "
@@ -63,6 +74,7 @@ def resolve_file(repo_or_path, filename: str, *, subfolder=None, revision=None, 
         raise OSError(f"{name!r} is neither a local folder nor a valid Hub repo id: {e}") from e
     except http_error as e:
         raise OSError(f"Could not download {filename} of {name} (revision {revision or 'main'}): {e}") from e
+    return safety.regular_file(path, None, f"artifact {name!r}")
 
 
 def load_artifact(cls, repo_or_path, *, subfolder=None, revision=None, cache_dir=None, token=None,
@@ -76,14 +88,12 @@ def load_artifact(cls, repo_or_path, *, subfolder=None, revision=None, cache_dir
     common = {"subfolder": subfolder, "revision": revision, "cache_dir": cache_dir, "token": token,
               "local_files_only": local_files_only}
     config_path = resolve_file(repo_or_path, CONFIG_NAME, **common)
-    try:
-        artifact_config = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _fail(where, f"{CONFIG_NAME} is not valid JSON: {e}") from e
-    _check_header(cls, artifact_config, where)
+    artifact_config = safety.read_json(config_path, where)
+    _check_header(cls, artifact_config, f"{where}, {CONFIG_NAME}")
     tensors = {}
     if artifact_config.get("layers"):
         tensors_path = resolve_file(repo_or_path, TENSORS_NAME, **common)
+        safety.check_safetensors_header(tensors_path, expected_tensor_shapes(artifact_config, config, where), where)
         try:
             tensors = load_file(str(tensors_path))
         except (SafetensorError, OSError) as e:
@@ -100,12 +110,14 @@ def write_artifact(cache, save_directory, *, base_model=None, base_model_revisio
                                        quality=quality)
     folder = Path(save_directory)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    # safety.write_file replaces symlinks already in the folder (a cloned repo) instead of writing through them.
+    safety.write_file(folder / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
     if tensors:
         # One metadata key only: safetensors writes several in random order, and artifacts must be reproducible.
         # Serialised in memory and written like the other files, so the file mode follows the umask.
-        (folder / TENSORS_NAME).write_bytes(save(dict(sorted(tensors.items())), metadata={"format": config["format"]}))
-    elif (folder / TENSORS_NAME).exists():
+        safety.write_file(folder / TENSORS_NAME, save(dict(sorted(tensors.items())),
+                                                      metadata={"format": config["format"]}))
+    elif (folder / TENSORS_NAME).is_symlink() or (folder / TENSORS_NAME).exists():
         (folder / TENSORS_NAME).unlink()  # a stale file from an earlier save would contradict config.json
-    (folder / CARD_NAME).write_text(render_card(config, type(cache).__name__, repo_id, subfolder), encoding="utf-8")
+    safety.write_file(folder / CARD_NAME, render_card(config, type(cache).__name__, repo_id, subfolder).encode("utf-8"))
     return folder

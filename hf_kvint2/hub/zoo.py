@@ -10,7 +10,8 @@ import torch
 
 from ..settings import OscarCalibration
 from ..transforms import check_orthogonal
-from .artifact import ORTHOGONAL_ATOL, ArtifactError, check_config
+from . import safety
+from .artifact import ORTHOGONAL_ATOL, ArtifactError, check_config, model_shape_from_config
 from .files import resolve_file
 
 # The reference RotationZoo's default file names (``{k,v}_rotation_<method>.pt``).
@@ -18,8 +19,11 @@ ZOO_K_METHOD = "qqt_r_h_pbr"
 ZOO_V_METHOD = "sst_r_h_pbr"
 
 
-def _load_zoo_file(path: Path) -> dict:
-    """``torch.load(weights_only=True)``: tensors and plain containers only; any other pickle is refused."""
+def _load_zoo_file(path: Path, config=None) -> dict:
+    """``torch.load(weights_only=True)``: tensors and plain containers only; any other pickle is refused. The zip
+    index is checked first: no storage larger than the model's (or the largest supported) rotations."""
+    shape = model_shape_from_config(config) if config is not None else {}
+    safety.check_zoo_archive(path, f"RotationZoo file {str(path)!r}", shape.get("head_dim"), shape.get("num_layers"))
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as e:
@@ -76,10 +80,10 @@ def load_rotation_zoo(path_or_repo, *, subfolder=None, revision=None, cache_dir=
     """The calibration and the recorded shapes of a RotationZoo (``OscarCache.from_rotation_zoo``, see there)."""
     common = {"subfolder": subfolder, "revision": revision, "cache_dir": cache_dir, "token": token,
               "local_files_only": local_files_only}
-    files = {kind: resolve_file(path_or_repo, f"{kind}_rotation_{method}.pt", **common)
-             for kind, method in (("k", k_method), ("v", v_method))}
-    payloads = {kind: _load_zoo_file(path) for kind, path in files.items()}
-    (k_rot, k_eig), (v_rot, v_eig) = (_zoo_layers(payloads[k], files[k]) for k in ("k", "v"))
+    zoo_files = {kind: resolve_file(path_or_repo, f"{kind}_rotation_{method}.pt", **common)
+                 for kind, method in (("k", k_method), ("v", v_method))}
+    payloads = {kind: _load_zoo_file(path, config) for kind, path in zoo_files.items()}
+    (k_rot, k_eig), (v_rot, v_eig) = (_zoo_layers(payloads[k], zoo_files[k]) for k in ("k", "v"))
     if len(k_rot) != len(v_rot) or k_rot[0].shape != v_rot[0].shape:
         raise ArtifactError(f"{path_or_repo}: key and value rotations disagree ({len(k_rot)} vs {len(v_rot)} "
                             f"layers, head_dim {k_rot[0].shape[0]} vs {v_rot[0].shape[0]}).")
