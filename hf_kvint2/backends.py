@@ -40,10 +40,11 @@ BODY_BACKENDS = {
 }
 
 
-def select_body_partial(device, traceable: bool = False) -> BodyBackend:
+def select_body_partial(device, traceable: bool = False, differentiable: bool = False) -> BodyBackend:
     """The backend for queries on ``device``: Triton on CUDA, Numba on CPU (unless ``HF_KVINT2_CPU_KERNEL=torch``),
-    each when installed; the PyTorch one otherwise and whenever the step is traced (``traceable``)."""
-    if not traceable:
+    each when installed; the PyTorch one otherwise, whenever the step is traced (``traceable``) and whenever the
+    query needs gradients (``differentiable``: the kernels are not differentiable)."""
+    if not (traceable or differentiable):
         if device.type == "cuda" and BODY_BACKENDS["triton"].available():
             return BODY_BACKENDS["triton"]
         if device.type == "cpu" and os.environ.get(CPU_KERNEL_ENV, "numba") != "torch" and \

@@ -142,8 +142,12 @@ class OscarScaledCache(CacheHubMixin, OscarCacheBase):
                  artifact_info: dict | None = None, quality: list[dict] | None = None, **fields):
         self.settings = _settings(OscarScaledSettings, settings, fields, type(self).__name__)
         self.artifact_info, self.quality = artifact_info, quality
-        recipe = self.settings.recipe()
-        super().__init__(lambda idx: recipe, config, tp_group)
+        self._recipe = self.settings.recipe()
+        # A bound method, not a closure: caches pickle and deepcopy like DynamicCache.
+        super().__init__(self._layer_recipe, config, tp_group)
+
+    def _layer_recipe(self, idx: int) -> LayerRecipe:
+        return self._recipe
 
     def __repr__(self):
         return f"OscarScaledCache({self.settings}, layers={len(self.layers)})"
@@ -188,13 +192,18 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
         self.artifact_info, self.quality = artifact_info, quality
         if config is not None:
             self.calibration.check_layers(model_shape(config).num_layers)
-        settings_now, calibration_now = self.settings, self.calibration
-        super().__init__(lambda idx: oscar_layer_recipe(settings_now, calibration_now, idx), config, tp_group)
+        # The settings and calibration of construction time; a bound method, not a closure: caches pickle and
+        # deepcopy like DynamicCache.
+        self._recipe_sources = (self.settings, self.calibration)
+        super().__init__(self._layer_recipe, config, tp_group)
         if self.shard is not None:  # fail before generate if the calibration cannot be split over the ranks
             for name in ("key_means", "value_means"):
                 for idx, mean in enumerate(getattr(self.calibration, name) or ()):
                     if mean is not None:
                         self.shard.head_slice(mean.shape[0], f"{name}[{idx}] of the calibration")
+
+    def _layer_recipe(self, idx: int) -> LayerRecipe:
+        return oscar_layer_recipe(*self._recipe_sources, idx)
 
     def __repr__(self):
         return f"OscarCache({self.settings}, calibrated={self.calibration.calibrated}, layers={len(self.layers)})"

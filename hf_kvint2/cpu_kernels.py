@@ -216,8 +216,8 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     q[:, :, :rows] = (q_rot.detach().float() * scaling).reshape(b, hkv, rows, d)
     bias = torch.zeros(b, hkv, padded)
     if key_mean_logits is not None:
-        bias[:, :, :rows] = (scaling * key_mean_logits.float()).reshape(b, hkv, rows)
-    add = mask_to_additive(mask)
+        bias[:, :, :rows] = (scaling * key_mean_logits.detach().float()).reshape(b, hkv, rows)
+    add = mask_to_additive(mask.detach() if mask is not None else None)
     if add is None:
         add = torch.zeros(b, 0, 1)
     else:

@@ -16,11 +16,11 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .distributed import TensorParallelShard
-from .quant import tracing
+from .quant import to_model_dtype, tracing
 from .recipes import LayerRecipe
 from .steps import LayerStep
 from .stream import QuantizedStream, StreamCodec
-from .transforms import block_hadamard_matrix, check_orthogonal
+from .transforms import block_hadamard_matrix, check_orthogonal, is_power_of_two, largest_pow2_divisor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
@@ -38,7 +38,13 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
         raise ValueError(f"{where}: key states {tuple(k.shape)} and value states {tuple(v.shape)} differ in shape.")
     if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype:
         raise ValueError(f"{where}: unsupported K/V dtype {k.dtype}/{v.dtype}; use one of {SUPPORTED_DTYPES}.")
+    if k.device.type == "meta" or v.device.type == "meta":
+        raise ValueError(f"{where}: key/value states are meta tensors (shapes without data), which cannot be "
+                         "quantized. Load the model's weights onto a real device before running it with this cache.")
     b, h, _, d = k.shape
+    if 0 in (b, h, d):
+        raise ValueError(f"{where}: key/value states of shape {tuple(k.shape)} have an empty batch, kv_heads or "
+                         "head_dim; a cache needs at least one sequence, one head and one channel.")
     if d % 4:
         raise ValueError(f"{where}: head_dim={d} is not supported; INT2 packing needs a multiple of 4.")
     if layer.is_initialized:
@@ -50,6 +56,19 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
     if layer.recipe.check_finite and not tracing() and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
         raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
                          "(check the model's dtype: fp16 overflow is a common cause).")
+
+
+def default_rotation_error(recipe: LayerRecipe, d: int, where: str) -> str:
+    """Why a layer without given rotations cannot use the default Hadamard rotation, and the fix for its cache."""
+    block = largest_pow2_divisor(d)
+    if recipe.method == "oscar":
+        fix = ("give OscarCache rotations for every layer: calibrated ones (OscarCache.calibrate or "
+               "OscarCache.from_pretrained), or k_rotations=v_rotations=[hf_kvint2.transforms."
+               f"block_hadamard_matrix({d}, {block})] * num_layers")
+    else:
+        fix = f"pass hadamard_block={block} (any power of two dividing head_dim) to the cache"
+    return (f"{where}: head_dim={d} is not a power of two, so the default Hadamard rotation"
+            f"{'' if recipe.hadamard_block is None else f' of block {recipe.hadamard_block}'} does not exist; {fix}.")
 
 
 class OscarLayer(CacheLayerMixin):
@@ -96,6 +115,8 @@ class OscarLayer(CacheLayerMixin):
         for kind, layout, rot, mean in (("key", r.key, r.key_rotation, r.key_mean),
                                         ("value", r.value, r.value_rotation, r.value_mean)):
             if rot is None:
+                if not is_power_of_two(r.hadamard_block or d):
+                    raise ValueError(default_rotation_error(r, d, self._name))
                 rot = block_hadamard_matrix(d, r.hadamard_block, torch.float32, self.device)
             else:
                 if tuple(rot.shape) != (d, d):
@@ -164,7 +185,8 @@ class OscarLayer(CacheLayerMixin):
         """The body's K/V in the original space and the model dtype, [B, H, body_len, D]."""
         if self.body_len == 0:
             return self.sink_k[:, :, :0], self.sink_v[:, :, :0]
-        return (self.key_body.dequantize().to(self.dtype), self.value_body.dequantize().to(self.dtype))
+        return (to_model_dtype(self.key_body.dequantize(), self.dtype),
+                to_model_dtype(self.value_body.dequantize(), self.dtype))
 
     # ------------------------------------------------------------------ transformers contract
     def get_seq_length(self) -> int:
@@ -201,9 +223,11 @@ class OscarLayer(CacheLayerMixin):
             keep = target - n_sink
             block = self.recipe.demotion_block
             aligned = (keep // block) * block
-            if aligned < keep:
-                bk, bv = self.dequantized_body()
-                self.recent_k, self.recent_v = bk[:, :, aligned:keep], bv[:, :, aligned:keep]
+            if aligned < keep:  # only the kept part of the cut block, cloned: no view into a dequantized copy
+                k_part = self.key_body.read(self.body_len).dequantize(aligned, keep)
+                v_part = self.value_body.read(self.body_len).dequantize(aligned, keep)
+                self.recent_k = to_model_dtype(k_part, self.dtype).clone()
+                self.recent_v = to_model_dtype(v_part, self.dtype).clone()
             else:
                 self.recent_k, self.recent_v = self.recent_k[:, :, :0], self.recent_v[:, :, :0]
             self._truncate_body(aligned)

@@ -51,6 +51,15 @@ def as_stored(x: torch.Tensor) -> torch.Tensor:
     return x.float()
 
 
+def to_model_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 reconstruction in the model's dtype; values past its largest finite value (the quantization error
+    of a value near the fp16 maximum) saturate instead of becoming inf."""
+    if dtype in (torch.float16, torch.bfloat16):
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 class QuantizedGroups(NamedTuple):
     """Packed INT2 codes ``[B, H, T, D // 4]`` with the ``scale`` and ``lo`` of every group."""
 
@@ -120,15 +129,16 @@ def quantize_int2(
     g, dim = _grouped(xf, axis, group_size)
     lo = g.amin(dim=dim, keepdim=True)
     scale = (g.amax(dim=dim, keepdim=True) - lo) / 3
-    if scale_dtype is torch.float16 and not tracing():
-        # Both the range and the offset must fit in fp16; say so instead of storing inf. (A data-dependent ``if``
-        # cannot be traced; exported graphs rely on the eager prefill and the model's range.)
+    if not tracing() and g.numel():
+        # Both the range and the offset must fit in the scale dtype; say so instead of storing inf (fp32 too: a
+        # range of two values near +-3e38 overflows). (A data-dependent ``if`` cannot be traced; exported graphs
+        # rely on the eager prefill and the model's range.)
         biggest = torch.maximum(lo.abs().amax(), scale.amax() * 3)
-        if biggest > torch.finfo(torch.float16).max:
-            raise ValueError(
-                f"Values up to {biggest.item():.4g} do not fit fp16 scales; pass scale_dtype=torch.bfloat16 "
-                "or torch.float32 to the cache."
-            )
+        if not biggest <= torch.finfo(scale_dtype).max:
+            fix = ("pass scale_dtype=torch.bfloat16 or torch.float32 to the cache" if scale_dtype is torch.float16
+                   else "the values are too large for any scale dtype; check the model's activations")
+            short = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[scale_dtype]
+            raise ValueError(f"Values up to {biggest.item():.4g} do not fit {short} scales; {fix}.")
     lo_s = lo.to(scale_dtype)
     scale_s = scale.to(scale_dtype)
     sf = as_stored(scale_s)

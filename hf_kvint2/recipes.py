@@ -55,6 +55,7 @@ class LayerRecipe:
     key_mean: torch.Tensor | None = None  # [kv_heads, d], subtracted before the rotation (lossless centering)
     value_mean: torch.Tensor | None = None
     check_finite: bool = True
+    method: str = ""  # "oscar" or "oscar_scaled": the cache that built it (errors name that cache's fix)
 
     def __post_init__(self):
         for name in ("sink_tokens", "recent_tokens"):
@@ -94,6 +95,7 @@ def oscar_scaled_recipe(
         recent_tokens=recent_tokens,
         scale_dtype=scale_dtype,
         hadamard_block=hadamard_block,
+        method="oscar_scaled",
     )
 
 
@@ -124,4 +126,5 @@ def oscar_recipe(
         value_rotation=value_rotation,
         key_mean=key_mean,
         value_mean=value_mean,
+        method="oscar",
     )

@@ -40,7 +40,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .layers import OscarLayer, validate_kv
-from .quant import SCALE_DTYPES, QuantizedGroups
+from .quant import SCALE_DTYPES, QuantizedGroups, to_model_dtype
 from .quant import tracing as _tracing
 from .read_path import BODY_BLOCK_TOKENS, attend_segments, body_partial_blocked, mask_to_additive
 from .recipes import LayerRecipe
@@ -83,11 +83,18 @@ class StaticOscarLayer(CacheLayerMixin):
         self.sink = min(recipe.sink_tokens, max_cache_len)
         self.window = recipe.recent_tokens
         self.block = recipe.demotion_block
-        self.ring_size = self.window + self.block
         body_positions = max(max_cache_len - self.sink, 1)
+        # Every allocation is bounded by max_cache_len: when the window and one block do not fit in the positions
+        # past the sink, no token ever leaves the window (as in OscarLayer), so the ring covers those positions and
+        # the body holds one block (written never: the "block completed" flag stays off), or nothing when even one
+        # block does not fit. One block keeps the exported graph's shape (the body is state, like other layers').
+        demotes = self.window + self.block <= body_positions
+        self.ring_size = self.window + self.block if demotes else body_positions
         align = self.block
         self.attention_block = align * max(1, min(attention_block // align, -(-body_positions // align)))
-        self.body_capacity = -(-body_positions // self.attention_block) * self.attention_block
+        self.body_capacity = -(-body_positions // self.attention_block) * self.attention_block if demotes else \
+            (self.block if self.block <= body_positions else 0)
+        self.writes_body = self.body_capacity >= self.block
         self.cumulative_length = torch.tensor(0, dtype=torch.long)
         self.fused_attention = False  # set by the "oscar" attention in eager mode (see hf_kvint2.steps)
         self.bound = False  # set by hf_kvint2.export.bind_static_cache: update returns the chunk itself
@@ -207,6 +214,7 @@ class StaticOscarLayer(CacheLayerMixin):
         if norm is not None:
             pieces.append((f"{prefix}_norm", 1, idx, norm))
         for name, dim, index, value in pieces:
+            value = value.detach()  # the body is data, not part of the autograd graph (as in OscarLayer)
             if flag is None:
                 self._write(name, dim, index, value)
             else:
@@ -225,14 +233,15 @@ class StaticOscarLayer(CacheLayerMixin):
         n_after = p + 1 - s  # tokens past the sink after this step
         flag = ((n_after - w) >= blk) & ((n_after - w) % blk == 0)
         first = p + 1 - w - blk
-        slots = (first - s + torch.arange(blk, device=dev)) % r
-        src_k, src_v = self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)
-        if w == 0:
-            src_k = torch.cat([src_k[:, :, :-1], key_states], dim=2)
-            src_v = torch.cat([src_v[:, :, :-1], value_states], dim=2)
-        qk, nk = self.key_codec.quantize(src_k)
-        qv, nv = self.value_codec.quantize(src_v)
-        start = (first - s).clamp(0, self.body_capacity - blk)
+        if self.writes_body:
+            slots = (first - s + torch.arange(blk, device=dev)) % r
+            src_k, src_v = self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)
+            if w == 0:
+                src_k = torch.cat([src_k[:, :, :-1], key_states], dim=2)
+                src_v = torch.cat([src_v[:, :, :-1], value_states], dim=2)
+            qk, nk = self.key_codec.quantize(src_k)
+            qv, nv = self.value_codec.quantize(src_v)
+            start = (first - s).clamp(0, self.body_capacity - blk)
         if s:
             in_sink = (p < s).reshape(1, 1, 1, 1)
             self._write_where("sink_k", 2, p.clamp(max=s - 1), key_states, in_sink)
@@ -241,9 +250,10 @@ class StaticOscarLayer(CacheLayerMixin):
         past_sink = (p >= s).reshape(1, 1, 1, 1)
         self._write_where("ring_k", 2, slot, key_states, past_sink)
         self._write_where("ring_v", 2, slot, value_states, past_sink)
-        start = start.reshape(())
-        self._write_body("key", self.key_codec, qk, nk, start, blk, flag)
-        self._write_body("value", self.value_codec, qv, nv, start, blk, flag)
+        if self.writes_body:
+            start = start.reshape(())
+            self._write_body("key", self.key_codec, qk, nk, start, blk, flag)
+            self._write_body("value", self.value_codec, qv, nv, start, blk, flag)
         self._ring_snapshot = None
         self._set_length(self.cumulative_length + 1)
 
@@ -373,11 +383,12 @@ class StaticOscarLayer(CacheLayerMixin):
             codec = getattr(self, f"{prefix}_codec")
             q = QuantizedGroups(getattr(self, f"{prefix}_codes"), getattr(self, f"{prefix}_scale"),
                                 getattr(self, f"{prefix}_lo"))
-            body = codec.dequantize_groups(q, getattr(self, f"{prefix}_norm"))
             x = chunk.index_select(2, chunk_idx)
             x = torch.where(in_chunk[:, None], x, torch.zeros_like(x))
             x = torch.where(in_ring[:, None], ring.index_select(2, ring_slots), x)
-            x = torch.where(in_body[:, None], body.index_select(2, body_idx).to(x.dtype), x)
+            if self.body_capacity:
+                body = codec.dequantize_groups(q, getattr(self, f"{prefix}_norm"))
+                x = torch.where(in_body[:, None], to_model_dtype(body.index_select(2, body_idx), x.dtype), x)
             if s:
                 x = torch.where(in_sink[:, None], sink.index_select(2, pos.clamp(max=s - 1)), x)
             outs.append(x)

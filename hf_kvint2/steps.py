@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .backends import select_body_partial
+from .quant import to_model_dtype
 from .read_path import attend_segments, mask_to_additive
 
 PORTABLE_PATH_WARNING = (
@@ -108,8 +109,8 @@ class LayerStep(_Step):
         ks, vs = [self.sink_k], [self.sink_v]
         if self.body_tokens:
             n, dtype = self.body_tokens, self.sink_k.dtype
-            ks.append(self.layer.key_body.dequantize()[:, :, :n].to(dtype))
-            vs.append(self.layer.value_body.dequantize()[:, :, :n].to(dtype))
+            ks.append(to_model_dtype(self.layer.key_body.dequantize()[:, :, :n], dtype))
+            vs.append(to_model_dtype(self.layer.value_body.dequantize()[:, :, :n], dtype))
         ks.append(self.tail_k)
         vs.append(self.tail_v)
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -130,7 +131,9 @@ class LayerStep(_Step):
 
         before = [(self.sink_k, self.sink_v, cols(0, n_sink))] if n_sink else []
         after = [(self.tail_k, self.tail_v, cols(n_sink + n_body, total))]
-        backend = select_body_partial(query.device)
+        # With gradients enabled for the query: the differentiable PyTorch body reader (the body's codes are data,
+        # with no gradient; README).
+        backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
         return attend_segments(query, before, layer.key_body.read(n_body), layer.value_body.read(n_body),
                                cols(n_sink, n_sink + n_body), after, scaling, backend.run)
 

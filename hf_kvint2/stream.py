@@ -20,7 +20,7 @@ from .distributed import TensorParallelShard
 from .quant import QuantizedGroups, dequantize_int2, quantize_int2
 from .recipes import GroupLayout
 from .storage import TokenBuffer
-from .transforms import transform_tokens
+from .transforms import check_norms, transform_tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,8 +127,12 @@ class QuantizedStream:
         return [b for b in (self.codes, self.scale, self.lo, self.norm) if b is not None]
 
     def append(self, x: torch.Tensor) -> None:
+        # The body is data, not part of the autograd graph: no gradient flows through INT2 codes (README).
+        x = x.detach()
         if self.codec.shard is None and kernels.kernels_enabled_for(x):  # CUDA: fused Triton transform + pack
             q, norm = kernels.quantize_stream(self.codec, x)
+            if norm is not None:
+                check_norms(norm, self.codec.scale_dtype)
         else:
             q, norm = self.codec.quantize(x)
         self.codes.append(q.codes)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .quant import as_stored
+from .quant import as_stored, tracing
 
 
 def is_power_of_two(n: int) -> bool:
@@ -77,8 +77,14 @@ def spectral_rotation(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_orthogonal(r: torch.Tensor, name: str, atol: float = 1e-4) -> None:
     """Raise if ``r`` is not a finite square orthogonal matrix."""
-    if r.dim() != 2 or r.shape[0] != r.shape[1]:
-        raise ValueError(f"{name} must be a square matrix, got shape {tuple(r.shape)}.")
+    if not isinstance(r, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(r).__name__}.")  # noqa: TRY004 (callers catch ValueError)
+    if r.layout != torch.strided:
+        raise ValueError(f"{name} is a {r.layout} tensor; pass a dense one (r.to_dense()).")
+    if r.is_complex() or not r.is_floating_point():
+        raise ValueError(f"{name} has dtype {r.dtype}; a rotation is a real floating-point matrix.")
+    if r.dim() != 2 or r.shape[0] != r.shape[1] or r.shape[0] == 0:
+        raise ValueError(f"{name} must be a non-empty square matrix, got shape {tuple(r.shape)}.")
     if not torch.isfinite(r).all():
         raise ValueError(f"{name} contains NaN or Inf.")
     rd = r.double()
@@ -99,11 +105,20 @@ def row_quantile(a: torch.Tensor, ratio: float) -> torch.Tensor:
     return srt[..., i0 : i0 + 1] * (1 - frac) + srt[..., i1 : i1 + 1] * frac
 
 
+# Clipping never takes a coordinate below this fraction of its row's largest |x|: a row whose energy sits in a few
+# coordinates (a constant vector after a Hadamard rotation has it all in one) would otherwise be clipped to the
+# quantile of the near-zero rest and come back as zeros.
+CLIP_FLOOR = 0.5
+
+
 def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
-    """Clamp each row (last dim) to ``[-tau, tau]``, ``tau`` the ``ratio`` quantile of ``|row|``."""
+    """Clamp each row (last dim) to ``[-tau, tau]``, ``tau`` the ``ratio`` quantile of ``|row|`` but at least
+    ``CLIP_FLOOR`` times the row's largest ``|x|`` (so no row is erased; every coordinate keeps its sign and at
+    least half its magnitude)."""
     if ratio is None or ratio >= 1.0:
         return x
-    tau = row_quantile(x.abs(), ratio)
+    a = x.abs()
+    tau = torch.maximum(row_quantile(a, ratio), CLIP_FLOOR * a.amax(dim=-1, keepdim=True))
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 
@@ -114,7 +129,9 @@ def transform_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor
     clip. Returns (float32 transformed x, stored norms [B, n] in ``scale_dtype`` or None).
 
     The omni-token norm runs over all heads and channels; x is divided by the *stored* (rounded) value so that
-    multiplying back on read is exact, and zero rows (padding) keep norm 1. The sum of squares is float64 so that a
+    multiplying back on read is exact. A zero norm (a zero row, or one below the scale dtype's range) is stored as
+    0, so the token reads back as zeros (its error is at most its own norm); it divides by 1. Norms that overflow
+    the scale dtype are refused (:func:`check_norms`). The sum of squares is float64 so that a
     tensor-parallel ``all_reduce_sum`` of per-rank partial sums rounds to the same stored norm as one process.
     """
     xf = x.float()
@@ -127,6 +144,15 @@ def transform_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor
         if all_reduce_sum is not None:
             all_reduce_sum(squared)
         norm = squared.sqrt().to(scale_dtype)
-        norm = torch.where(as_stored(norm) > 0, norm, torch.ones_like(norm))
-        xr = xr / as_stored(norm)[:, None, :, None]
+        check_norms(norm, scale_dtype)
+        stored = as_stored(norm)
+        xr = xr / torch.where(stored > 0, stored, torch.ones_like(stored))[:, None, :, None]
     return clip_rows(xr, clip), norm
+
+
+def check_norms(norm: torch.Tensor, scale_dtype: torch.dtype) -> None:
+    """Refuse token norms that did not fit ``scale_dtype`` (stored as inf, they would dequantize to NaN)."""
+    if not tracing() and not torch.isfinite(norm).all():
+        raise ValueError(f"token norms (over all KV heads and channels of a token) exceed the range of "
+                         f"scale_dtype={scale_dtype} (max {torch.finfo(scale_dtype).max:.4g}); pass "
+                         "scale_dtype=torch.bfloat16 or torch.float32 to the cache.")

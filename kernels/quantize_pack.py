@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from hf_kvint2.quant import SCALE_DTYPES, QuantizedGroups
+from hf_kvint2.transforms import CLIP_FLOOR
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -82,7 +83,7 @@ def _quantize_pack_kernel(
     codes_ptr, scb, sch, sct,
     scale_ptr, lo_ptr, ssb, ssh, sst,
     norm_ptr, snb,
-    H, n_tokens, clip_frac,
+    H, n_tokens, clip_frac, clip_floor,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP: tl.constexpr, HAS_MEAN: tl.constexpr, TOKEN_SCALING: tl.constexpr,
     CLIP: tl.constexpr, CLIP_I0: tl.constexpr, CLIP_I1: tl.constexpr, SCALE_DTYPE: tl.constexpr,
@@ -108,8 +109,8 @@ def _quantize_pack_kernel(
                          D, BLOCK_T, BLOCK_D, CHUNK, HAS_MEAN).to(tl.float64)
             sumsq += tl.sum(xr * xr, axis=1)
         norm = _to_scale_dtype(tl.sqrt(sumsq).to(tl.float32), SCALE_DTYPE)
-        norm = tl.where(norm > 0.0, norm, 1.0)  # padding rows (zero vectors) keep norm 1
         tl.store(norm_ptr + b * snb + tok, norm.to(SCALE_DTYPE), mask=tok_ok)
+        norm = tl.where(norm > 0.0, norm, 1.0)  # a zero norm is stored (the row reads back as zeros), divides by 1
 
     for h in range(H):
         xr = _rotate(x_ptr + b * sxb + h * sxh, sxt, mean_ptr + h * D, rot_ptr, tok, tok_ok, cols, col_ok,
@@ -129,6 +130,9 @@ def _quantize_pack_kernel(
             q0 = b0.to(tl.float32, bitcast=True)
             q1 = b1.to(tl.float32, bitcast=True)
             tau = (q0 * (1.0 - clip_frac) + q1 * clip_frac)[:, None]
+            # transforms.CLIP_FLOOR: never below that fraction of the row's largest |x| (no row is erased)
+            row_max = tl.max(tl.where(col_ok[None, :], tl.abs(xr), 0.0), axis=1)
+            tau = tl.maximum(tau, clip_floor * row_max[:, None])
             xr = tl.minimum(tl.maximum(xr, -tau), tau)
 
         if AXIS_CHANNEL:
@@ -215,7 +219,7 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
         codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, lo, scale.stride(0), scale.stride(1), scale.stride(2),
         norm if norm is not None else scale, norm.stride(0) if norm is not None else 0,
-        h, n, pos - i0,
+        h, n, pos - i0, CLIP_FLOOR,
         D=d, BLOCK_D=block_d, BLOCK_T=block_t, CHUNK=min(32, block_d),
         AXIS_CHANNEL=axis == "channel", GROUP=group_size, HAS_MEAN=mean is not None, TOKEN_SCALING=token_scaling,
         CLIP=clip_on, CLIP_I0=i0, CLIP_I1=min(i0 + 1, d - 1), SCALE_DTYPE=_TL_DTYPE[scale_dtype],

@@ -5,6 +5,7 @@ import torch
 
 from hf_kvint2 import OscarCache, OscarScaledCache
 from hf_kvint2.transforms import (
+    CLIP_FLOOR,
     bit_reversal_permutation,
     block_hadamard_matrix,
     check_orthogonal,
@@ -98,7 +99,9 @@ def test_row_quantile_matches_torch_and_clip_bounds_rows():
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
     for ratio in (0.5, 0.92, 0.96, 1.0):
         torch.testing.assert_close(row_quantile(x, ratio), torch.quantile(x, ratio, dim=-1, keepdim=True))
-    tau = torch.quantile(x.abs(), 0.9, dim=-1, keepdim=True)
+    # the quantile, floored at CLIP_FLOOR x the row's largest |x| (so that no row is erased)
+    tau = torch.maximum(torch.quantile(x.abs(), 0.9, dim=-1, keepdim=True),
+                        CLIP_FLOOR * x.abs().amax(dim=-1, keepdim=True))
     c = clip_rows(x, 0.9)
     assert (c.abs() <= tau + 1e-6).all()
     inside = x.abs() <= tau
@@ -111,8 +114,9 @@ def test_non_power_of_two_head_dim_error_names_working_settings(d):
     with pytest.raises(ValueError, match=rf"power-of-two size, got {d}.*hadamard_block={d & -d}.*k_rotations"):
         hadamard_matrix(d)
     k = torch.randn(1, 2, 3, d)
-    for cache in (OscarScaledCache(), OscarCache()):
-        with pytest.raises(ValueError, match=r"hadamard_block"):
+    # each cache names its own fix (OscarCache takes no hadamard_block)
+    for cache, fix in ((OscarScaledCache(), rf"hadamard_block={d & -d}"), (OscarCache(), "k_rotations")):
+        with pytest.raises(ValueError, match=fix):
             cache.update(k, k.clone(), 0)
 
 

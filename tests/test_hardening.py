@@ -1,0 +1,370 @@
+"""Hostile artifacts, bad inputs and grad mode (issue 12): each case refuses cleanly or works, never corrupts,
+never escapes the artifact's folder, never allocates without bound."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import pickle
+import signal
+import zipfile
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_kvint2  # noqa: F401  (registers the "oscar" attention)
+from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2.hub import ArtifactError, safety
+from hf_kvint2.layers import OscarLayer
+from hf_kvint2.recipes import oscar_recipe
+from hf_kvint2.static_cache import StaticOscarCache
+from hf_kvint2.transforms import check_orthogonal
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(head_dim=HEAD_DIM):
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=head_dim,
+                       max_position_embeddings=256, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The same tiny Llama with the "oscar" and the "sdpa" attention."""
+    torch.manual_seed(0)
+    oscar = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="oscar").eval()
+    sdpa = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(oscar.state_dict())
+    return oscar, sdpa
+
+
+IDS = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def run_chunks(model, cache, ids=IDS, chunk=8):
+    return torch.cat([model(ids[:, s:s + chunk], past_key_values=cache, use_cache=True).logits
+                      for s in range(0, ids.shape[1], chunk)], dim=1)
+
+
+def calibrated_oscar(**kw):
+    g = torch.Generator().manual_seed(3)
+    rots = [torch.linalg.qr(torch.randn(HEAD_DIM, HEAD_DIM, generator=g, dtype=torch.float64))[0].float()
+            for _ in range(2 * LAYERS)]
+    return OscarCache(k_rotations=rots[:LAYERS], v_rotations=rots[LAYERS:], sink_tokens=2, recent_tokens=4,
+                      key_means=[torch.randn(KV_HEADS, HEAD_DIM, generator=g) for _ in range(LAYERS)], **kw)
+
+
+CACHES = {"oscar": lambda: OscarCache(sink_tokens=2, recent_tokens=4),
+          "oscar-calibrated": calibrated_oscar,
+          "oscar-scaled": lambda: OscarScaledCache(recent_tokens=4, group_size=8)}
+
+
+# ---------------------------------------------------------------------------------------------- 1 grad mode
+@pytest.mark.parametrize("kind", sorted(CACHES))
+@pytest.mark.parametrize("kernel", ["numba", "torch"])
+def test_forward_with_gradients_enabled_works_and_matches_no_grad(models, kind, kernel, monkeypatch):
+    monkeypatch.setenv("HF_KVINT2_CPU_KERNEL", kernel)
+    oscar, _ = models
+    with torch.no_grad():
+        expected = run_chunks(oscar, CACHES[kind]())
+    cache = CACHES[kind]()
+    logits = run_chunks(oscar, cache)  # gradients enabled: used to fail in the Numba kernel
+    torch.testing.assert_close(logits.detach(), expected, rtol=1e-4, atol=1e-4)
+    oscar.zero_grad()
+    logits[:, -1].logsumexp(-1).sum().backward()
+    grads = [p.grad for p in oscar.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    for layer in cache.layers:  # the INT2 body is data: no autograd graph is kept in the cache's buffers
+        for stream in (layer.key_body, layer.value_body):
+            assert not any(b.data.requires_grad for b in stream.buffers())
+
+
+def test_static_cache_forward_with_gradients_enabled(models):
+    oscar, _ = models
+    ids = IDS[:1, :24]
+    static = StaticOscarCache.from_cache(OscarScaledCache(recent_tokens=4, group_size=4), oscar.config, 64)
+    with torch.no_grad():
+        expected = StaticOscarCache.from_cache(OscarScaledCache(recent_tokens=4, group_size=4), oscar.config, 64)
+        expected = torch.cat([oscar(ids[:, :12], past_key_values=expected).logits]
+                             + [oscar(ids[:, i:i + 1], past_key_values=expected).logits for i in range(12, 24)], 1)
+    logits = torch.cat([oscar(ids[:, :12], past_key_values=static).logits]
+                       + [oscar(ids[:, i:i + 1], past_key_values=static).logits for i in range(12, 24)], 1)
+    torch.testing.assert_close(logits.detach(), expected, rtol=1e-4, atol=1e-4)
+    logits[:, -1].logsumexp(-1).sum().backward()
+    body = [n for n, t in zip(static.layers[0].state_names(), static.layers[0].state_tensors())
+            if t.requires_grad and not n.startswith(("ring", "sink"))]
+    assert body == []  # the INT2 body holds data only
+
+
+# ---------------------------------------------------------------------------------------------- 2 norm overflow
+def test_token_norm_overflow_is_refused_and_the_cache_is_unchanged():
+    cache = OscarScaledCache(recent_tokens=0, group_size=8)
+    ok = torch.randn(1, 2, 8, 16)
+    cache.update(ok, ok, 0)
+    before = cache.layers[0].memory_bytes()
+    # every value fits fp16, but the omni-token norm (over 2 heads x 16 channels) is 30000 * sqrt(32) > 65504
+    big = torch.full((1, 2, 8, 16), 30000.0)
+    with pytest.raises(ValueError, match=r"token norms .* scale_dtype=torch.float16 .*torch.bfloat16"):
+        cache.update(big, big, 0)
+    assert cache.layers[0].memory_bytes() == before and cache.get_seq_length() == 8
+    k, v = cache.layers[0].dequantized_body()
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    wide = OscarScaledCache(recent_tokens=0, group_size=8, scale_dtype=torch.bfloat16)  # the suggested fix
+    wide.update(big, big, 0)
+    k, _ = wide.layers[0].dequantized_body()
+    assert torch.isfinite(k).all() and (k - big).abs().max() < 0.1 * 30000
+
+
+# ---------------------------------------------------------------------------------------------- 3 clipping
+@pytest.mark.parametrize("value", [0.5, -3.0])
+def test_clipping_never_erases_a_constant_token(value):
+    cache = OscarCache(sink_tokens=0, recent_tokens=0)
+    x = torch.full((1, 2, 3, 64), value)
+    cache.update(x, x, 0)
+    k, v = cache.layers[0].dequantized_body()
+    for stored in (k, v):  # used to come back as zeros (clipped to the quantile of the all-zero rest)
+        assert (stored.sign() == x.sign()).all()
+        assert (stored - x).abs().max() <= 0.5 * abs(value) + 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- 4 paths
+@contextmanager
+def deadline(seconds):
+    def fail(*_):
+        raise TimeoutError(f"took longer than {seconds}s")
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    return calibrated_oscar().save_pretrained(tmp_path / "artifact", base_model="tiny/llama")
+
+
+@pytest.mark.parametrize("subfolder", ["../other", "sub/../../other", "/abs/other"])
+def test_subfolder_cannot_leave_the_folder(saved, tmp_path, subfolder):
+    other = tmp_path / "other"
+    calibrated_oscar().save_pretrained(other)
+    sub = subfolder if not subfolder.startswith("/abs") else str(other)
+    with pytest.raises(ArtifactError, match="subfolder=.* leaves the artifact's folder"):
+        OscarCache.from_pretrained(saved, subfolder=sub)
+    assert safety.safe_subfolder("./a//b/") == "a/b"
+
+
+@pytest.mark.parametrize("special", ["fifo", "dev-zero", "directory", "outside-link"])
+def test_artifact_files_must_be_regular_files_inside_the_folder(saved, tmp_path, special):
+    config = saved / "config.json"
+    config.unlink()
+    if special == "fifo":
+        os.mkfifo(config)
+    elif special == "dev-zero":
+        config.symlink_to("/dev/zero")
+    elif special == "directory":
+        config.mkdir()
+    else:
+        secret = tmp_path / "secret.json"
+        secret.write_text("{}")
+        config.symlink_to(secret)
+    with deadline(20), pytest.raises(ArtifactError, match="not a regular file|outside the artifact's folder"):
+        OscarCache.from_pretrained(saved)
+
+
+def test_config_size_and_nesting_are_bounded(saved):
+    config = saved / "config.json"
+    config.write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ArtifactError, match="nests deeper than"):
+        OscarCache.from_pretrained(saved)
+    config.write_bytes(b" " * (safety.MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ArtifactError, match="larger than"):
+        OscarCache.from_pretrained(saved)
+
+
+def test_save_pretrained_replaces_symlinks_instead_of_writing_through_them(saved, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("config.json", "model.safetensors", "README.md"):
+        (clone / name).symlink_to(victim)
+    calibrated_oscar().save_pretrained(clone)
+    assert victim.read_text() == "precious"
+    assert not any((clone / n).is_symlink() for n in ("config.json", "model.safetensors", "README.md"))
+    OscarCache.from_pretrained(clone)
+    # no tensors to write: a stale symlinked model.safetensors is removed, its target untouched
+    (clone / "model.safetensors").unlink()
+    (clone / "model.safetensors").symlink_to(victim)
+    OscarScaledCache().save_pretrained(clone)
+    assert victim.read_text() == "precious" and not (clone / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------- 5 allocation
+def _deflated(buffer: bytes) -> bytes:
+    src, out = zipfile.ZipFile(io.BytesIO(buffer)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("with_config", [True, False])
+def test_rotation_zoo_sizes_are_checked_before_loading(tmp_path, monkeypatch, with_config):
+    buffer = io.BytesIO()
+    torch.save({"layers": {0: {"rotation": torch.zeros(4096, 4096)}}}, buffer)  # 64 MB of zeros
+    small = _deflated(buffer.getvalue())
+    assert len(small) < 1 << 20
+    for kind, method in (("k", "qqt_r_h_pbr"), ("v", "sst_r_h_pbr")):
+        (tmp_path / f"{kind}_rotation_{method}.pt").write_bytes(small)
+
+    def no_load(*a, **k):
+        raise AssertionError("torch.load ran on an oversized file")
+    monkeypatch.setattr(torch, "load", no_load)
+    with pytest.raises(ArtifactError, match="declares a 67108864-byte tensor"):
+        OscarCache.from_rotation_zoo(tmp_path, config=tiny_config() if with_config else None)
+
+
+def test_safetensors_header_is_checked_before_loading(saved, monkeypatch):
+    config = json.loads((saved / "config.json").read_text())
+    config["head_dim"] = 2048  # within the sanity bound, but not what the tensors declare
+    (saved / "config.json").write_text(json.dumps(config))
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("tensors were loaded"))
+    with pytest.raises(ArtifactError, match=r"shape \(\d+, 16\), expected \(\d+, 2048\)"):
+        OscarCache.from_pretrained(saved)
+    with pytest.raises(ArtifactError, match="head_dim=2048, but the model config"):
+        OscarCache.from_pretrained(saved, config=tiny_config())
+
+
+@pytest.mark.parametrize("key,value", [("recent_tokens", 10**9), ("sink_tokens", -1), ("group_size", 1 << 20)])
+def test_artifact_settings_are_bounded_at_load(saved, key, value):
+    config = json.loads((saved / "config.json").read_text())
+    config["settings"][key] = value
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ArtifactError, match=f"settings.{key} must be an integer in"):
+        OscarCache.from_pretrained(saved)
+
+
+@pytest.mark.parametrize("make", [lambda: OscarScaledCache(recent_tokens=200_000, group_size=4096),
+                                  lambda: OscarCache(sink_tokens=2, recent_tokens=10_000, group_size=16)])
+def test_static_cache_allocation_is_bounded_by_max_cache_len(models, make):
+    oscar, _ = models
+    static = StaticOscarCache.from_cache(make(), oscar.config, max_cache_len=64)
+    static.early_initialization(1, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    fp_bytes_per_position = 2 * KV_HEADS * HEAD_DIM * 4
+    # max_cache_len positions at full precision (sink + ring) plus at most one INT2 block
+    assert static.memory_report()["total"]["total_bytes"] <= 2 * LAYERS * 64 * fp_bytes_per_position
+    # nothing leaves the window within 64 positions: same logits as the dynamic cache
+    ids = IDS[:1, :20]
+    with torch.no_grad():
+        expected = run_chunks(oscar, make(), ids, chunk=20)
+        got = torch.cat([oscar(ids[:, :12], past_key_values=static).logits]
+                        + [oscar(ids[:, i:i + 1], past_key_values=static).logits for i in range(12, 20)], dim=1)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- 7 unclear crashes
+@pytest.mark.parametrize("shape", [(0, 2, 4, 16), (1, 0, 4, 16)])
+def test_empty_batch_or_heads_are_refused(shape):
+    x = torch.zeros(shape)
+    with pytest.raises(ValueError, match="empty batch, kv_heads or head_dim"):
+        OscarScaledCache().update(x, x, 0)
+
+
+def test_meta_tensors_are_refused():
+    x = torch.zeros(1, 2, 4, 16, device="meta")
+    with pytest.raises(ValueError, match="meta tensors"):
+        OscarCache().update(x, x, 0)
+
+
+def test_non_power_of_two_head_dim_names_the_fix_of_each_cache():
+    x = torch.randn(1, 2, 4, 12)
+    with pytest.raises(ValueError, match=r"head_dim=12 .*k_rotations") as oscar:
+        OscarCache(sink_tokens=0, recent_tokens=0).update(x, x, 0)
+    assert "hadamard_block" not in str(oscar.value)
+    with pytest.raises(ValueError, match="hadamard_block=4"):
+        OscarScaledCache(recent_tokens=0, group_size=4).update(x, x, 0)
+
+
+@pytest.mark.parametrize("rotation,message", [
+    (torch.zeros(0, 0), "non-empty square"),
+    (torch.eye(16).to_sparse(), "sparse"),
+    (torch.eye(16, dtype=torch.complex64), "real floating-point"),
+    (torch.eye(16, dtype=torch.int64), "real floating-point"),
+])
+def test_bad_rotations_get_clear_errors(rotation, message):
+    with pytest.raises(ValueError, match=message):
+        check_orthogonal(rotation, "rotation")
+    layer = OscarLayer(oscar_recipe(key_rotation=rotation), 0)
+    x = torch.randn(1, 2, 4, 16)
+    with pytest.raises(ValueError, match=rf"{message}|is \(0, 0\) but the model's head_dim is 16"):
+        layer.update(x, x)
+
+
+def test_huge_mean_in_an_artifact_blames_the_artifact(saved):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(saved / "model.safetensors")
+    tensors["layers.1.key_mean"][0, 0] = 1e30
+    save_file(tensors, saved / "model.safetensors")
+    with pytest.raises(ArtifactError, match="'layers.1.key_mean' has values up to 1e.30.*corrupt"):
+        OscarCache.from_pretrained(saved)
+
+
+# ---------------------------------------------------------------------------------------------- 8 pickle
+@pytest.mark.parametrize("kind", sorted(CACHES))
+@pytest.mark.parametrize("clone", ["pickle", "deepcopy"])
+def test_caches_pickle_and_deepcopy_and_continue_identically(models, kind, clone):
+    oscar, _ = models
+    cache = CACHES[kind]()
+    with torch.no_grad():
+        run_chunks(oscar, cache, IDS[:, :24])
+        copied = pickle.loads(pickle.dumps(cache)) if clone == "pickle" else copy.deepcopy(cache)
+        a = run_chunks(oscar, cache, IDS[:, 24:])
+        b = run_chunks(oscar, copied, IDS[:, 24:])
+    assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- 9 memory after crop
+def held_bytes(layer) -> int:
+    """Bytes of every storage a layer references (what it keeps alive), each storage once."""
+    seen, total = set(), 0
+    tensors = [layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v]
+    tensors += [b.data for s in (layer.key_body, layer.value_body) for b in s.buffers() if b.data is not None]
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def test_crop_inside_a_key_group_keeps_no_dequantized_copy_of_the_body():
+    cache = OscarScaledCache(recent_tokens=8, group_size=32)
+    x = torch.randn(1, 2, 2000, 64)
+    cache.update(x, x * 0.5, 0)
+    layer = cache.layers[0]
+    cache.crop(1000 + 7)  # inside a group of 32 body tokens
+    assert cache.get_seq_length() == 1007
+    report = cache.memory_report()["total"]
+    assert held_bytes(layer) <= 2 * report["allocated"], (held_bytes(layer), report)
+    k, _ = layer.dequantized_body()
+    full = torch.cat([k, layer.recent_k], dim=2)
+    assert (full - x[:, :, :1007]).abs().mean() < 0.5  # the kept tokens are the stored ones
