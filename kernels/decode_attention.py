@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
 from .reference import _softmax_partial, layer_mask, merge_partials
 
 # Launch settings of the decode kernel (benchmarks/bench_gpu.py sweeps them): tokens per tile, warps per program,
@@ -293,7 +294,7 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
 
     k_lay, v_lay = key_body.layout, value_body.layout
     dot_dtype = _TL_DOT_DTYPE[q_rot.dtype if dot_dtype is None else dot_dtype]
-    if dot_dtype == tl.bfloat16 and not q.is_cuda:  # the interpreter keeps bf16 as raw uint16: its dots are wrong
+    if dot_dtype == tl.bfloat16 and interpreting():  # the interpreter keeps bf16 as raw uint16: its dots are wrong
         dot_dtype = tl.float32
     dummy = q
     _body_attention_kernel[(b * hkv, row_blocks, num_splits)](
