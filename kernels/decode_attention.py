@@ -109,7 +109,9 @@ def _value_sums(p, vb, sub: tl.constexpr, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_
                                        HAS_NORM), DOT_DTYPE)
 
 
-@triton.jit
+# Integer arguments that vary from step to step (n_tokens) or with the model/batch (Lq, n_rep, num_splits) are not
+# specialised on "== 1" / "% 16": each value class would be another JIT compile (seconds, on a GPU mid-decode).
+@triton.jit(do_not_specialize=["Lq", "n_rep", "n_tokens", "num_splits"])
 def _body_attention_kernel(
     q_ptr, sqb, sqh, sql, qmu_ptr,
     kc_ptr, kcb, kch, kct, ks_ptr, kl_ptr, ksb, ksh, kst, kn_ptr, knb,
@@ -209,7 +211,7 @@ def _body_attention_kernel(
     tl.store(out_rows + 3, acc3 * inv[:, None], mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, num_splits,
                          D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query row: combine its splits' (out, lse) by log-sum-exp, CHUNK_S splits at a time."""

@@ -75,7 +75,9 @@ def _round_half_even(y):
     return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
 
 
-@triton.jit
+# n_tokens is 1 for a decode step's demotion and larger for a prefill (and so are the batch/head strides), H is 1 for
+# some models: not specialised on "== 1" / "% 16" (each would be another JIT compile; the kernel gains nothing).
+@triton.jit(do_not_specialize=["sxb", "sxh", "scb", "sch", "ssb", "ssh", "snb", "H", "n_tokens"])
 def _quantize_pack_kernel(
     x_ptr, sxb, sxh, sxt,
     mean_ptr, rot_ptr,
