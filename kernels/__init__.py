@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -50,7 +52,9 @@ def __getattr__(name):
 
 
 __all__ = [
+    "KernelConfig",
     "body_attention",
+    "dispatch_configurations",
     "kernels_enabled_for",
     "layer_decode_attention",
     "merge_partials",
@@ -140,3 +144,50 @@ def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_sp
     from .decode_attention import layer_decode_attention as impl
 
     return impl(query, layer, scaling=scaling, attention_mask=attention_mask, num_splits=num_splits)
+
+
+class KernelConfig(NamedTuple):
+    """One configuration the caches hand to the kernels (what :mod:`hf_kvint2.kernels.aot` compiles)."""
+
+    cache: str  # the cache / recipe that stores these layouts
+    key_layout: object  # GroupLayout
+    value_layout: object
+    centred: bool  # key and value means subtracted before the rotation (calibrated OSCAR)
+    dtype: torch.dtype  # the model's K/V dtype: quantize input, decode dot operands
+    head_dim: int
+    gqa: int  # query heads per KV head
+    kv_heads: int = 8
+    scale_dtype: torch.dtype = torch.float16  # the caches' default
+    mask: str = "none"  # "none" | "bool" | "additive"
+    shapes: tuple = ((1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072))  # (batch, context)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.cache}{'_centred' if self.centred else ''}_{str(self.dtype).split('.')[-1]}"
+                f"_d{self.head_dim}_gqa{self.gqa}")
+
+
+def dispatch_configurations(head_dims=(64, 128, 256), gqa_groups=(1, 4, 8)) -> list[KernelConfig]:
+    """Every layout the caches can store, for each K/V dtype the decode dispatcher maps (``_TL_DOT_DTYPE``), head_dim
+    and GQA group: OSCAR's per-token groups (``oscar_recipe``), centred or not, with OScaR's key token scaling
+    added (``evaluation.with_key_token_scaling``); calibration's per-channel candidate (``calibration.fit_layer``:
+    ``GroupLayout("channel", min(group_size, head_dim))``); OScaR's per-channel keys with and without token norms
+    (``oscar_scaled_recipe``). The block sizes and constexprs are not listed here: :func:`aot.capture_launches` runs
+    the wrappers to get them."""
+    from hf_kvint2.recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
+
+    from .decode_attention import _TL_DOT_DTYPE
+
+    def layouts(head_dim):
+        oscar, scaled = oscar_recipe(), oscar_scaled_recipe()
+        channel = GroupLayout("channel", min(oscar.key.group_size, head_dim))
+        yield "oscar", oscar.key, oscar.value, (False, True)
+        yield "oscar_key_token_scaling", replace(oscar.key, token_scaling=True), oscar.value, (False, True)
+        yield "oscar_calibrated_channel", channel, channel, (False, True)
+        yield "oscar_scaled", scaled.key, scaled.value, (False,)
+        no_norm = oscar_scaled_recipe(token_scaling=False)
+        yield "oscar_scaled_no_token_scaling", no_norm.key, no_norm.value, (False,)
+
+    return [KernelConfig(cache, k, v, centred, dtype, d, g)
+            for d in head_dims for cache, k, v, centring in layouts(d) for centred in centring
+            for dtype in _TL_DOT_DTYPE for g in gqa_groups]
