@@ -28,7 +28,7 @@ def _split_partials(config, batch: int, context: int, arch: int) -> tuple[int, i
     from hf_kvint2.kernels import aot
 
     config = config._replace(shapes=((batch, context),))
-    merges = [launch for launch in aot.capture_launches(config, aot.TARGETS[arch]["sms"])
+    merges = [launch for launch in aot.capture_launches(config, aot.TARGETS[arch]["sms"], quantize=False)
               if launch.kernel == "merge_splits"]
     if not merges:
         return 1, 0
@@ -37,12 +37,13 @@ def _split_partials(config, batch: int, context: int, arch: int) -> tuple[int, i
     return splits, 2 * rows * splits * (config.head_dim + 1) * 4  # fp32 out + lse, written then read
 
 
-def step_bytes(cache: str, batch: int, context: int, arch: int) -> dict:
-    """Bytes one decode step of one layer moves, by part."""
+def step_bytes(cache: str, batch: int, context: int, arch: int, shapes: dict | None = None) -> dict:
+    """Bytes one decode step of one layer moves, by part (``shapes``: {"hq", "hkv", "d"}, default Llama-3-8B)."""
     import torch
     from hf_kvint2.kernels import KernelConfig, aot
 
-    hq, hkv, d = SHAPES["q_heads"], SHAPES["kv_heads"], SHAPES["head_dim"]
+    shapes = shapes or {"hq": SHAPES["q_heads"], "hkv": SHAPES["kv_heads"], "d": SHAPES["head_dim"]}
+    hq, hkv, d = shapes["hq"], shapes["hkv"], shapes["d"]
     io = {"query": batch * hq * d * BF16, "output": batch * hq * d * BF16}
     if cache == "bf16 SDPA":
         return {**io, "kv_bf16": 2 * batch * hkv * context * d * BF16}

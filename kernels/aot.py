@@ -76,11 +76,9 @@ class _Recorder:
 @contextlib.contextmanager
 def recording(sms: int):
     """Within the block, kernel launches of the wrappers are recorded (and returned in the yielded list), and the
-    split-K heuristics see a GPU with ``sms`` multiprocessors."""
+    split-K heuristics see a GPU with ``sms`` multiprocessors. Works under the interpreter too (no compiling)."""
     from . import decode_attention, quantize_pack
 
-    if _interpreting():
-        raise RuntimeError("Ahead-of-time compilation needs Triton imported without TRITON_INTERPRET=1.")
     sink: list[Launch] = []
     saved = {}
     patches = [(decode_attention, "_body_attention_kernel"), (decode_attention, "_merge_splits_kernel"),
@@ -114,7 +112,7 @@ def _stream(layout, head_dim, kv_heads, batch, tokens, scale_dtype, mean: bool, 
     return s
 
 
-def capture_launches(config, sms: int) -> list[Launch]:
+def capture_launches(config, sms: int, quantize: bool = True) -> list[Launch]:
     """Every kernel launch the wrappers issue for ``config`` on a GPU with ``sms`` SMs: quantize-and-pack of K and
     V (one demoted token and a prefill chunk), and decode attention at each (batch, context) of the config (split-K
     with the merge, and a single split)."""
@@ -122,7 +120,7 @@ def capture_launches(config, sms: int) -> list[Launch]:
 
     d, hkv, hq = config.head_dim, config.kv_heads, config.kv_heads * config.gqa
     with recording(sms) as sink:
-        for layout, mean in ((config.key_layout, config.centred), (config.value_layout, config.centred)):
+        for layout, mean in ((config.key_layout, config.centred), (config.value_layout, config.centred))[:2 * quantize]:
             group = layout.group_for(d)
             counts = (1, 256) if layout.axis == "token" else (2 * group,)
             for n in counts:
@@ -185,6 +183,8 @@ def specialise(launch: Launch) -> Specialisation:
     """The JIT's specialisation of a recorded launch (``triton.runtime.jit``: tensors -> typed pointers, aligned
     when their address is a multiple of 16 - always, for CUDA allocations and meta tensors; ints equal to 1 ->
     constants; other ints -> i32/i64, divisible when a multiple of 16; floats -> fp32)."""
+    if _interpreting():
+        raise RuntimeError("Ahead-of-time compilation needs Triton imported without TRITON_INTERPRET=1.")
     types, constants, divisible = [], [], []
     for i, (name, value) in enumerate(launch.args.items()):
         param = launch.fn.params[i]
