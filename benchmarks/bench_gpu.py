@@ -11,7 +11,8 @@ Stages: (1) correctness of both kernels against the PyTorch references on the GP
 alone and a whole layer step (rotation, kernel, full-precision windows, merge) against
 ``F.scaled_dot_product_attention`` over bf16 K/V with the flash backend, with achieved bandwidth against the
 H200's 4.8 TB/s; (4) end-to-end greedy decode tokens/s of a random-weight Llama-3-8B-shaped model with
-``DynamicCache`` + SDPA against ``OscarCache`` + ``attn_implementation="oscar"`` at 32k and 64k context.
+``DynamicCache`` + SDPA against ``OscarCache`` + ``attn_implementation="oscar"`` at 32k and 64k context. Each
+measured layer step is also set against ``benchmarks/roofline.py``'s bandwidth-bound prediction (``roofline``).
 Writes ``gpu.json`` and ``gpu.png`` to $OUT when set, else to benchmarks/results/ (``--out`` overrides).
 """
 

@@ -55,9 +55,15 @@ def layout_dict(layout) -> dict:
             "token_scaling": layout.token_scaling}
 
 
-def load_known(path: Path, triton_version: str, source_hashes: dict) -> dict:
-    if not path or not path.exists():
-        return {}
+def load_known(paths: list[Path], triton_version: str, source_hashes: dict) -> dict:
+    known = {}
+    for path in paths or []:
+        if path.exists():
+            known.update(_load_known(path, triton_version, source_hashes))
+    return known
+
+
+def _load_known(path: Path, triton_version: str, source_hashes: dict) -> dict:
     report = json.loads(path.read_text())
     if report.get("triton") != triton_version:
         print(f"not reusing {path}: made with Triton {report.get('triton')}, this is {triton_version}")
@@ -73,11 +79,11 @@ def load_known(path: Path, triton_version: str, source_hashes: dict) -> dict:
 
 
 def verify(unique: dict, results: dict, per_kernel: int, workers: int) -> list[str]:
-    """Recompile up to ``per_kernel`` reused specialisations per (kernel, target); the mismatches."""
+    """Recompile up to ``per_kernel`` reused specialisations per (kernel, target), the quickest; the mismatches."""
     from hf_kvint2.kernels import aot
 
-    sample = {}
-    for (key, arch), res in sorted(results.items()):
+    sample = {}  # the quickest to compile first: CI runs this
+    for (key, arch), res in sorted(results.items(), key=lambda kv: (kv[1].get("compile_s", 0), kv[0])):
         spec, fn = unique[arch][key]
         picked = sample.setdefault(arch, {})
         if res.get("reused") and sum(1 for s, _ in picked.values() if s.kernel == spec.kernel) < per_kernel:
@@ -121,6 +127,20 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def roofline_table(rows: list[dict]) -> str:
+    """Predicted µs per layer step and the predicted ratio to bf16 SDPA, per GPU, batch and context."""
+    lines = ["| GPU | batch | context | bf16 SDPA (µs) | OscarCache (µs, x SDPA) | OscarScaledCache (µs, x SDPA) |",
+             "|---|---|---|---|---|---|"]
+    cells = {(r["gpu"], r["batch"], r["context"], r["method"]): r for r in rows}
+    for gpu, batch, context in sorted({k[:3] for k in cells}, key=lambda k: (k[0] != "H200", k[1], k[2])):
+        sdpa = cells[(gpu, batch, context, "bf16 SDPA")]["predicted_us"]
+        parts = [f"{cells[(gpu, batch, context, m)]['predicted_us']:.1f} "
+                 f"({cells[(gpu, batch, context, m)]['predicted_speedup_vs_sdpa']:.1f}x)"
+                 for m in ("OscarCache", "OscarScaledCache")]
+        lines.append(f"| {gpu} | {batch} | {context // 1024}k | {sdpa:.1f} | {parts[0]} | {parts[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="80,90", help="compute capabilities (default 80,90)")
@@ -128,7 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--filter", default=None, help="only configurations whose name contains this")
     ap.add_argument("--kernels", default=None, help="only these kernels (comma-separated: body_attention, "
                     "merge_splits, quantize_pack)")
-    ap.add_argument("--reuse", type=Path, default=None, help="earlier report to take unchanged results from")
+    ap.add_argument("--reuse", type=Path, nargs="+", default=None, help="earlier reports to take unchanged results "
+                    "from")
     ap.add_argument("--verify", type=int, default=0, help="recompile this many reused results per kernel/target")
     ap.add_argument("--triton", default=None, help="run with this Triton version (pip install --target, cached)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
@@ -196,6 +217,8 @@ def main(argv=None) -> int:
     if not args.no_roofline:
         roofline.plot(report["roofline"]["rows"], args.out / "triton_aot.png")
     print(markdown_table(report))
+    if "roofline" in report:
+        print(roofline_table(report["roofline"]["rows"]))
     print(f"{len(specs)} specialisations, {len(compile_s)} compiled now ({sum(compile_s):.0f} s of compile time, "
           f"{args.workers} workers), {report['wall_s']:.0f} s wall; wrote {args.out / 'triton_aot.json'}")
     for line in failed + mismatches:
