@@ -243,6 +243,13 @@ def _stream_tensors(stream, n_tokens: int):
     return unit(stream.codes.view()), unit(stream.scale.view()), unit(stream.lo.view()), unit(norm)
 
 
+def _num_warps(head_dim: int) -> int:
+    """Warps per program. head_dim <= 64 takes at least 8: compiled for sm_90 with 4 warps, OScaR's per-channel
+    keys spilled (128 registers + 16 B of stack) and every other layout sat at 249-255 registers
+    (benchmarks/triton_aot.py); with 8 they fit in ~134."""
+    return TUNING["num_warps"] if head_dim > 64 else max(8, TUNING["num_warps"])
+
+
 def _sm_count(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -312,7 +319,7 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
         K_CHANNEL=k_lay.axis == "channel", K_GROUP=key_body.group, K_NORM=kn is not None,
         V_CHANNEL=v_lay.axis == "channel", V_GROUP=value_body.group, V_NORM=vn is not None,
         HAS_QMU=qmu is not None, MASK_KIND=mask_kind, DOT_DTYPE=dot_dtype,
-        num_warps=TUNING["num_warps"],
+        num_warps=_num_warps(d),
     )
     if num_splits > 1:
         _merge_splits_kernel[(b * hq * lq,)](part, part_lse, out, lse, num_splits, D=d,
