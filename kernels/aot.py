@@ -265,13 +265,23 @@ def _ptxas(arch: int) -> str:
     return _tool("ptxas")
 
 
+def _ptxas_extra_options() -> list[str]:
+    """Register-allocation options Triton passes to ptxas (3.9 adds --regAllocOptLevel=2), so the rerun matches."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return ["--regAllocOptLevel=2"] if "regAllocOptLevel=2" in inspect.getsource(CUDABackend.make_cubin) else []
+
+
 def spill_bytes(ptx: str, arch: int) -> tuple[int, int]:
     """(spill stores, spill loads) in bytes, from ``ptxas -v`` on the kernel's PTX (what Triton ran, same options)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        run = subprocess.run([_ptxas(arch), "-v", "-lineinfo", f"--gpu-name={gpu}", str(src), "-o",
+        run = subprocess.run([_ptxas(arch), "-v", "-lineinfo", *_ptxas_extra_options(), f"--gpu-name={gpu}",
+                              str(src), "-o",
                               str(Path(tmp) / "k.o")], check=False, capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"ptxas -v failed: {run.stderr[-1000:]}")
