@@ -243,11 +243,13 @@ def _stream_tensors(stream, n_tokens: int):
     return unit(stream.codes.view()), unit(stream.scale.view()), unit(stream.lo.view()), unit(norm)
 
 
-def _num_warps(head_dim: int) -> int:
-    """Warps per program. head_dim <= 64 takes at least 8: compiled for sm_90 with 4 warps, OScaR's per-channel
-    keys spilled (128 registers + 16 B of stack) and every other layout sat at 249-255 registers
-    (benchmarks/triton_aot.py); with 8 they fit in ~134."""
-    return TUNING["num_warps"] if head_dim > 64 else max(8, TUNING["num_warps"])
+def _num_warps(head_dim: int, key_body) -> int:
+    """Warps per program. OScaR's per-channel keys (groups shorter than the head) at head_dim <= 64 take 8: compiled
+    for sm_90 with 4 they spilled (128 registers, 16 B of stack), with 8 they fit in 135. Not the other layouts:
+    with 8 warps the per-token and calibration's per-channel layouts spilled 16-32 B on sm_90, with 4 they do not
+    (benchmarks/triton_aot.py, benchmarks/results/triton_aot.json)."""
+    small_channel_groups = key_body.layout.axis == "channel" and key_body.group < head_dim
+    return max(8, TUNING["num_warps"]) if head_dim <= 64 and small_channel_groups else TUNING["num_warps"]
 
 
 def _sm_count(device) -> int:
@@ -319,7 +321,7 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
         K_CHANNEL=k_lay.axis == "channel", K_GROUP=key_body.group, K_NORM=kn is not None,
         V_CHANNEL=v_lay.axis == "channel", V_GROUP=value_body.group, V_NORM=vn is not None,
         HAS_QMU=qmu is not None, MASK_KIND=mask_kind, DOT_DTYPE=dot_dtype,
-        num_warps=_num_warps(d),
+        num_warps=_num_warps(d, key_body),
     )
     if num_splits > 1:
         _merge_splits_kernel[(b * hq * lq,)](part, part_lse, out, lse, num_splits, D=d,
