@@ -132,7 +132,7 @@ class LayerStep(_Step):
         after = [(self.tail_k, self.tail_v, cols(n_sink + n_body, total))]
         backend = select_body_partial(query.device)
         return attend_segments(query, before, layer.key_body.read(n_body), layer.value_body.read(n_body),
-                               cols(n_sink, n_sink + n_body), after, scaling, backend.run)
+                               cols(n_sink, n_sink + n_body), after, scaling, backend.run, **backend.options(query))
 
 
 class StaticStep(_Step):
