@@ -53,18 +53,67 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
                          "(check the model's dtype: fp16 overflow is a common cause).")
 
 
+# Channel-grouped streams without a given rotation keep the model's channel basis when the Hadamard would raise the
+# typical channel's quantization range this much: rms over channels of the per-channel range / its median (see
+# QuantizedStream.settle_basis). Measured on the first demoted keys: SmolLM2 layers 1.1-2.2, Gemma 3 sliding
+# layers 1.05-1.9, Gemma 3 full-attention layers 1.9-5.3 (benchmarks/gemma3_layers.py).
+RANGE_SPREAD_LIMIT = 3.0
+
+
+def range_spread(x: torch.Tensor, group: int, shard: TensorParallelShard | None = None) -> float | None:
+    """How unevenly x [B, H, n, D]'s channels vary: per head, the rms over channels of each channel's mean range
+    over ``group``-token groups, over the median channel's (tokens scaled to unit norm first: scale-free), averaged
+    over the heads of the layer (all ranks' under tensor parallelism). None if x has fewer than ``group`` tokens."""
+    n = (x.shape[-2] // group) * group
+    if n == 0:
+        return None
+    xf = x[:, :, :n].float()
+    xf = xf / xf.norm(dim=(1, 3), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    g = xf.reshape(*xf.shape[:2], n // group, group, xf.shape[-1])
+    ranges = (g.amax(dim=-2) - g.amin(dim=-2)).mean(dim=(0, 2))  # [H, D]
+    ratio = ranges.square().mean(-1).sqrt() / ranges.median(-1).values.clamp_min(torch.finfo(torch.float32).tiny)
+    total = torch.stack([ratio.sum(), torch.tensor(float(ratio.shape[0]), device=ratio.device)]).double()
+    if shard is not None:  # one decision for the whole layer
+        shard.all_reduce_sum(total)
+    return (total[0] / total[1]).item()
+
+
 class QuantizedStream:
-    """The INT2 body of one of K or V: packed codes, group scales/offsets and (optionally) token norms."""
+    """The INT2 body of one of K or V: packed codes, group scales/offsets and (optionally) token norms.
+
+    ``adaptive_basis``: the stream was given no rotation (``rotation`` is the data-free Hadamard); for channel groups,
+    the first data it quantizes settles the basis (:meth:`settle_basis`)."""
 
     def __init__(self, layout: GroupLayout, group: int, rotation: torch.Tensor, mean: torch.Tensor | None,
-                 scale_dtype: torch.dtype, shard: TensorParallelShard | None = None):
+                 scale_dtype: torch.dtype, shard: TensorParallelShard | None = None, adaptive_basis: bool = False):
         self.layout, self.group, self.rotation, self.mean, self.scale_dtype = layout, group, rotation, mean, scale_dtype
         self.shard = shard  # tensor parallelism: this rank holds a slice of the heads the token norm runs over
+        self.adaptive_basis = adaptive_basis
         self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
         self.norm = TokenBuffer(1) if layout.token_scaling else None
 
     def buffers(self) -> list[TokenBuffer]:
         return [b for b in (self.codes, self.scale, self.lo, self.norm) if b is not None]
+
+    def settle_basis(self, x: torch.Tensor) -> None:
+        """Once, from the first original-space x [B, H, n, D] an uncalibrated channel-grouped stream quantizes: keep
+        the model's channel basis instead of the Hadamard if a few channels' ranges dwarf the others'.
+
+        Per-channel groups give every channel its own scale, so a rotation only redistributes range between channels:
+        after the Hadamard every channel's error is set by the rms of all channels' ranges. When that rms is many
+        times the median range (Gemma 3's full-attention keys: 4-5x, RoPE theta 1e6 with QK-norm), the typical
+        channel's error grows that much; the queries of those layers put 64-86% of their energy on the low-range half
+        of the channels, so the logit error doubles or quadruples. Without the queries at hand (data-free), the
+        spread of the ranges decides. Skipped while tracing (the eager prefill settles it)."""
+        if not self.adaptive_basis or tracing():
+            return
+        self.adaptive_basis = False
+        if self.layout.axis != "channel":
+            return
+        spread = range_spread(x if self.mean is None else x.float() - self.mean[None, :, None, :], self.group,
+                              self.shard)
+        if spread is not None and spread > RANGE_SPREAD_LIMIT:
+            self.rotation = torch.eye(self.rotation.shape[0], dtype=self.rotation.dtype, device=self.rotation.device)
 
     def transform(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Original-space x [B, H, n, D] -> (rotated, scaled, clipped float32 x, stored norms [B, n] or None)."""
@@ -88,10 +137,12 @@ class QuantizedStream:
 
     def quantize(self, x: torch.Tensor) -> tuple[QuantizedGroups, torch.Tensor | None]:
         """What the stream stores for original-space x [B, H, n, D]: INT2 groups and norms (or None)."""
+        self.settle_basis(x)
         xt, norm = self.transform(x)
         return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype), norm
 
     def append(self, x: torch.Tensor) -> None:
+        self.settle_basis(x)
         if self.shard is None and kernels.kernels_enabled_for(x):  # CUDA: fused Triton transform + pack
             q, norm = kernels.quantize_stream(self, x)
         else:
@@ -149,6 +200,7 @@ class OscarLayer(CacheLayerMixin):
     def __init__(self, recipe: LayerRecipe, layer_idx: int | None = None, shard: TensorParallelShard | None = None):
         super().__init__()
         self.recipe = recipe
+        self._unsettled_recipe = None  # the recipe before _settle_key_layout changed it
         self.layer_idx = layer_idx
         self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.attention)
         self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
@@ -182,6 +234,7 @@ class OscarLayer(CacheLayerMixin):
         streams = []
         for kind, layout, rot, mean in (("key", r.key, r.key_rotation, r.key_mean),
                                         ("value", r.value, r.value_rotation, r.value_mean)):
+            adaptive = rot is None
             if rot is None:
                 rot = block_hadamard_matrix(d, r.hadamard_block, torch.float32, self.device)
             else:
@@ -201,7 +254,7 @@ class OscarLayer(CacheLayerMixin):
             if layout.axis == "token" and d % group:
                 raise ValueError(f"head_dim={d} is not a multiple of the {kind} group size {group}; "
                                  f"use a group size dividing {d}.")
-            streams.append(QuantizedStream(layout, group, rot, mean, r.scale_dtype, self.shard))
+            streams.append(QuantizedStream(layout, group, rot, mean, r.scale_dtype, self.shard, adaptive))
         self.key_body, self.value_body = streams
         empty = key_states.new_empty(b, h, 0, d)
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
@@ -236,6 +289,10 @@ class OscarLayer(CacheLayerMixin):
 
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
+        if self.body_len == 0 and self.key_body.adaptive_basis and self.recipe.key.axis == "token" and overflow > 0:
+            if overflow < self.key_body.group:
+                return  # settle the key layout on a whole group of tokens first (they wait in the recent window)
+            self._settle_key_layout(self.recent_k[:, :, :overflow])
         block = self.recipe.demotion_block
         n = (overflow // block) * block if overflow > 0 else 0
         if n <= 0:
@@ -246,6 +303,21 @@ class OscarLayer(CacheLayerMixin):
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()
         self.body_len += n
+
+    def _settle_key_layout(self, keys: torch.Tensor) -> None:
+        """Uncalibrated per-token keys, before the first demotion: if a few channels' ranges dwarf the others'
+        (:func:`range_spread`), quantize this layer's keys per channel over groups of as many tokens as the per-token
+        group has channels (same scale bytes), in the model's basis. A per-token group spans every channel of a
+        token, so its error is spread evenly over all channels whatever the rotation; in such layers the queries
+        read the low-range channels (Gemma 3's full-attention layers: logit error 2-4x that of per-channel groups).
+        Calibration makes this choice per layer from measured errors instead."""
+        if not tracing() and (range_spread(keys, self.key_body.group, self.shard) or 0.0) > RANGE_SPREAD_LIMIT:
+            group = self.key_body.group
+            layout = GroupLayout("channel", group)
+            eye = torch.eye(self.head_dim, dtype=torch.float32, device=self.device)
+            self.key_body = QuantizedStream(layout, group, eye, None, self.recipe.scale_dtype, self.shard)
+            self._unsettled_recipe = self.recipe
+            self.recipe = self.recipe.with_overrides(key=layout, key_rotation=eye)
 
     def dequantized_body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The body's K/V in the original space and the model dtype, [B, H, body_len, D]."""
@@ -268,6 +340,8 @@ class OscarLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self._unsettled_recipe is not None:  # a key layout settled from the data is settled again
+            self.recipe, self._unsettled_recipe = self._unsettled_recipe, None
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
