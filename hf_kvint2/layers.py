@@ -89,6 +89,7 @@ class QuantizedStream:
         self.layout, self.group, self.rotation, self.mean, self.scale_dtype = layout, group, rotation, mean, scale_dtype
         self.shard = shard  # tensor parallelism: this rank holds a slice of the heads the token norm runs over
         self.adaptive_basis = adaptive_basis
+        self.range_spread: float | None = None  # what settled the basis or layout (see range_spread), for reports
         self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
         self.norm = TokenBuffer(1) if layout.token_scaling else None
 
@@ -112,6 +113,7 @@ class QuantizedStream:
             return
         spread = range_spread(x if self.mean is None else x.float() - self.mean[None, :, None, :], self.group,
                               self.shard)
+        self.range_spread = spread
         if spread is not None and spread > RANGE_SPREAD_LIMIT:
             self.rotation = torch.eye(self.rotation.shape[0], dtype=self.rotation.dtype, device=self.rotation.device)
 
@@ -290,8 +292,6 @@ class OscarLayer(CacheLayerMixin):
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
         if self.body_len == 0 and self.key_body.adaptive_basis and self.recipe.key.axis == "token" and overflow > 0:
-            if overflow < self.key_body.group:
-                return  # settle the key layout on a whole group of tokens first (they wait in the recent window)
             self._settle_key_layout(self.recent_k[:, :, :overflow])
         block = self.recipe.demotion_block
         n = (overflow // block) * block if overflow > 0 else 0
@@ -310,12 +310,19 @@ class OscarLayer(CacheLayerMixin):
         group has channels (same scale bytes), in the model's basis. A per-token group spans every channel of a
         token, so its error is spread evenly over all channels whatever the rotation; in such layers the queries
         read the low-range channels (Gemma 3's full-attention layers: logit error 2-4x that of per-channel groups).
-        Calibration makes this choice per layer from measured errors instead."""
-        if not tracing() and (range_spread(keys, self.key_body.group, self.shard) or 0.0) > RANGE_SPREAD_LIMIT:
+        Calibration makes this choice per layer from measured errors instead. Decided on the tokens of the first
+        demotion: fewer than one group (a prompt shorter than sink + recent + group, then token-by-token decoding)
+        keeps per-token groups."""
+        if tracing():
+            return
+        spread = range_spread(keys, self.key_body.group, self.shard)
+        self.key_body.range_spread = spread
+        if spread is not None and spread > RANGE_SPREAD_LIMIT:
             group = self.key_body.group
             layout = GroupLayout("channel", group)
             eye = torch.eye(self.head_dim, dtype=torch.float32, device=self.device)
             self.key_body = QuantizedStream(layout, group, eye, None, self.recipe.scale_dtype, self.shard)
+            self.key_body.range_spread = spread
             self._unsettled_recipe = self.recipe
             self.recipe = self.recipe.with_overrides(key=layout, key_rotation=eye)
 
