@@ -170,6 +170,9 @@ class StaticOscarLayer(CacheLayerMixin):
         proto = OscarLayer(self.recipe, self.layer_idx)
         proto.lazy_initialization(key_states, value_states)
         self.key_stream, self.value_stream = proto.key_body, proto.value_body
+        # Fixed shapes and traced steps that quantize incomplete candidate blocks: keep the given basis and layout
+        # (the dynamic layer settles them from its first demoted tokens, see QuantizedStream.settle_basis).
+        self.key_stream.adaptive_basis = self.value_stream.adaptive_basis = False
         b, h, _, d = key_states.shape
         self.batch_size, self.num_heads, self.head_dim = b, h, d
         self.dtype, self.device = key_states.dtype, key_states.device
