@@ -83,6 +83,28 @@ def probe_cache(config, recipe: LayerRecipe, layers: set[int], keys: bool, value
     return Cache(layers=built)
 
 
+def plot(before: dict, after: dict, path: Path) -> None:
+    """Bars of the table rows (perplexity vs full precision), before and after the fix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in after["table"] if n != "full precision" and n in before["table"]]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for offset, (label, res) in zip((-0.2, 0.2), (("before", before), ("after", after))):
+        ax.bar([i + offset for i in x], [100 * res["table"][n]["vs_full_precision"] for n in names], 0.4, label=label)
+    ax.axhline(10, color="gray", ls="--", lw=0.8)
+    ax.set_xticks(list(x), [n.replace("(config=model.config", "(config").replace(", recent_tokens=10**6)", ",\nrecent=1e6)")
+                            for n in names], fontsize=7)
+    ax.set_ylabel("perplexity vs full precision (%)")
+    ax.set_title("Gemma 3 270M, Emma 1536 tokens, prefill 512, chunks of 64 (fp32, sdpa)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--window", type=int, default=1536)
@@ -91,7 +113,15 @@ def main(argv=None) -> dict:
     p.add_argument("--stages", default="table,breakdown")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(RESULTS / "gemma3_layers"), help="output path prefix (.json is added)")
+    p.add_argument("--plot", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
+                   help="only draw <out>.png from two result files of this script")
     args = p.parse_args(argv)
+    if args.plot:
+        before, after = (json.loads(Path(f).read_text()) for f in args.plot)
+        png = Path(args.out).with_suffix(".png")
+        plot(before, after, png)
+        print(f"wrote {png}")
+        return after
     if args.threads:
         torch.set_num_threads(args.threads)
     stages = set(args.stages.split(","))
