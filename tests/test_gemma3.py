@@ -120,3 +120,28 @@ def test_gemma3_270m_quality_short():
     scaled = perplexity(OscarScaledCache(config=model.config))
     oscar = perplexity(OscarCache(config=model.config))
     assert scaled < 1.10 * fp and oscar < 1.20 * fp, (fp, scaled, oscar)
+
+
+@pytest.mark.parametrize("name", ["OscarScaledCache()", "OscarCache()"])
+def test_only_the_dynamic_layer_settles_the_key_basis(name):
+    """Keys with a few wide channels: the dynamic layer keeps the model's basis with per-channel groups; the static
+    (export) layer, fed the same tokens, keeps the Hadamard and the given layout (its traced steps quantize
+    incomplete candidate blocks)."""
+    from hf_kvint2.key_basis import RANGE_SPREAD_LIMIT
+    from hf_kvint2.static_layer import StaticOscarLayer
+    from hf_kvint2.transforms import block_hadamard_matrix
+
+    torch.manual_seed(0)
+    k = torch.randn(1, 1, 512, 64)
+    k[..., :8] *= 15.0
+    v = torch.randn_like(k)
+    recipe = (OscarScaledCache() if name == "OscarScaledCache()" else OscarCache())._recipe_for_layer(0)
+    dynamic = OscarLayer(recipe, 0)
+    dynamic.update(k, v)
+    assert dynamic.body_len > 0 and dynamic.key_range_spread > RANGE_SPREAD_LIMIT
+    assert torch.equal(dynamic.key_body.codec.rotation, torch.eye(64))
+    assert dynamic.key_body.codec.layout.axis == "channel"
+    static = StaticOscarLayer(recipe, 1024, 0)
+    static.update(k, v)
+    assert torch.equal(static.key_codec.rotation, block_hadamard_matrix(64, recipe.hadamard_block))
+    assert static.key_codec.layout == recipe.key
