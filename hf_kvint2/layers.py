@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .distributed import TensorParallelShard
+from .key_basis import settled_key_codec
 from .quant import tracing
 from .recipes import LayerRecipe
 from .steps import LayerStep
@@ -62,6 +63,7 @@ class OscarLayer(CacheLayerMixin):
     def __init__(self, recipe: LayerRecipe, layer_idx: int | None = None, shard: TensorParallelShard | None = None):
         super().__init__()
         self.recipe = recipe
+        self._unsettled_recipe: LayerRecipe | None = None  # the recipe before the key layout was settled
         self.layer_idx = layer_idx
         self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.steps)
         self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
@@ -80,6 +82,8 @@ class OscarLayer(CacheLayerMixin):
         self.value_body: QuantizedStream | None = None
         self.body_len = 0
         self.seq_len = 0
+        self.key_basis_open = False  # uncalibrated keys: the first demotion settles their basis (hf_kvint2.key_basis)
+        self.key_range_spread: float | None = None  # what settled it (key_basis.range_spread), for reports
 
     @property
     def _name(self) -> str:
@@ -116,6 +120,7 @@ class OscarLayer(CacheLayerMixin):
                                  f"use a group size dividing {d}.")
             streams.append(QuantizedStream(StreamCodec(layout, group, rot, mean, r.scale_dtype, self.shard)))
         self.key_body, self.value_body = streams
+        self.key_basis_open = r.key_rotation is None
         empty = key_states.new_empty(b, h, 0, d)
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
         self.is_initialized = True
@@ -149,16 +154,36 @@ class OscarLayer(CacheLayerMixin):
 
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
+        if self.key_basis_open and self.recipe.key.axis == "token" and overflow > 0 and not tracing():
+            self._settle_keys(self.recent_k[:, :, :overflow])  # may switch to per-channel groups: a new block
         block = self.recipe.demotion_block
         n = (overflow // block) * block if overflow > 0 else 0
         if n <= 0:
             return
+        if self.key_basis_open and not tracing():  # settled once, by the first demotion (the eager prefill)
+            if self.recipe.key.axis == "channel":
+                self._settle_keys(self.recent_k[:, :, :n])
+            self.key_basis_open = False
         self.key_body.append(self.recent_k[:, :, :n])
         self.value_body.append(self.recent_v[:, :, :n])
         # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()
         self.body_len += n
+
+    def _settle_keys(self, keys: torch.Tensor) -> None:
+        """Uncalibrated keys, before the first demotion: the key codec of this layer from ``keys``
+        (:func:`~hf_kvint2.key_basis.settled_key_codec`). Per-token keys are decided on all the tokens leaving the
+        recent window, before the demotion block is known (a switch to per-channel groups changes it); per-channel
+        keys on the tokens of the first demotion."""
+        codec, self.key_range_spread = settled_key_codec(self.key_body.codec, keys)
+        if codec is self.key_body.codec:
+            return
+        self.key_body = QuantizedStream(codec)
+        if codec.layout != self.recipe.key:  # per-token -> per-channel groups: the demotion block follows
+            self.key_basis_open = False
+            self._unsettled_recipe = self.recipe
+            self.recipe = self.recipe.with_overrides(key=codec.layout, key_rotation=codec.rotation)
 
     def dequantized_body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The body's K/V in the original space and the model dtype, [B, H, body_len, D]."""
@@ -177,6 +202,8 @@ class OscarLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self._unsettled_recipe is not None:  # a key layout settled from the data is settled again
+            self.recipe, self._unsettled_recipe = self._unsettled_recipe, None
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
