@@ -24,6 +24,9 @@ from .storage import TokenBuffer
 from .transforms import block_hadamard_matrix, check_orthogonal, clip_rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Tokens quantized per step when many leave the recent window at once (a long prefill): the float32 temporaries of
+# the transform scale with this, not with the prompt. A multiple of every demotion block in use (powers of two).
+QUANTIZE_BLOCK_TOKENS = 4096
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
 
 
@@ -240,8 +243,10 @@ class OscarLayer(CacheLayerMixin):
         n = (overflow // block) * block if overflow > 0 else 0
         if n <= 0:
             return
-        self.key_body.append(self.recent_k[:, :, :n])
-        self.value_body.append(self.recent_v[:, :, :n])
+        step = max(block, QUANTIZE_BLOCK_TOKENS // block * block)  # whole demotion blocks: same groups, same codes
+        for start in range(0, n, step):
+            self.key_body.append(self.recent_k[:, :, start:min(start + step, n)])
+            self.value_body.append(self.recent_v[:, :, start:min(start + step, n)])
         # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()
