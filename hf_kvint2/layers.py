@@ -18,6 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import kernels
 from .attention import LayerStep
 from .distributed import TensorParallelShard
+from .padding import left_padding, position_ids_of_update
 from .quant import QuantizedGroups, as_stored, dequantize_int2, quantize_int2, tracing
 from .recipes import GroupLayout, LayerRecipe
 from .storage import TokenBuffer
@@ -170,6 +171,7 @@ class OscarLayer(CacheLayerMixin):
         self.value_body: QuantizedStream | None = None
         self.body_len = 0
         self.seq_len = 0
+        self.left_padding = 0  # tokens the sink holds on top of recipe.sink_tokens (hf_kvint2.padding)
 
     @property
     def _name(self) -> str:
@@ -213,10 +215,13 @@ class OscarLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         validate_kv(self, key_states, value_states, fix=RESET_FIX)
+        n_new = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n_new = key_states.shape[-2]
-        to_sink = min(max(self.recipe.sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
+        if self.seq_len == 0:  # a first chunk: learn the batch's left padding from its position ids
+            self.left_padding = left_padding(position_ids_of_update(args, kwargs), n_new)
+        sink_tokens = self.recipe.sink_tokens + self.left_padding
+        to_sink = min(max(sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
             self.recent_k.shape[-2] == 0 else 0
         before = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
         if to_sink:
