@@ -79,13 +79,13 @@ def calibrated_factory(args):
 
 
 def available_backends() -> tuple[str, ...]:
-    """transformers' QuantizedCache backends that are installed (pip install 'hf-kvint2[bench]')."""
+    """transformers' QuantizedCache backends that are installed (pip install '.[bench]' in a clone)."""
     from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
     found = {"hqq": is_hqq_available(), "quanto": is_optimum_quanto_available()}
     for name, ok in found.items():
         if not ok:
-            print(f"{name} is not installed: its QuantizedCache row is left out (pip install 'hf-kvint2[bench]').",
+            print(f"{name} is not installed: its QuantizedCache row is left out (pip install '.[bench]' in a clone).",
                   file=sys.stderr)
     return tuple(name for name, ok in found.items() if ok)
 
@@ -96,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model and K/V dtype (default fp32)")
     p.add_argument("--calibration", help="OscarCache artifact (Hub id or folder); default: the embedded SmolLM2 one")
     p.add_argument("--methods", help="comma-separated, among: " + ", ".join(METHOD_KEYS) + " (default: all "
-                   "available; 'fp' is required as the baseline; hqq/quanto need pip install 'hf-kvint2[bench]')")
+                   "available; 'fp' is required as the baseline; hqq/quanto need pip install '.[bench]' in a clone)")
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of Emma, evenly spaced (default 8)")
     p.add_argument("--window", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--prefill", type=int, default=512,

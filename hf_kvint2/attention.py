@@ -253,7 +253,7 @@ def body_attention_blocked(q_rot, key_body, value_body, *, n_tokens=None, scalin
 
 
 def body_attention_cpu(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_mean_logits=None, mask=None):
-    """The body partial on CPU: the Numba kernel when installed (``pip install hf-kvint2[cpu]``), else the blocked
+    """The body partial on CPU: the Numba kernel when installed (``pip install '.[cpu]'`` in a clone), else the blocked
     PyTorch path. ``HF_KVINT2_CPU_KERNEL=torch`` forces the PyTorch path."""
     if os.environ.get("HF_KVINT2_CPU_KERNEL", "numba") != "torch":
         from . import cpu_kernels

@@ -1,4 +1,4 @@
-"""Numba CPU kernel for the INT2 body partial attention (optional: ``pip install hf-kvint2[cpu]``).
+"""Numba CPU kernel for the INT2 body partial attention (optional: ``pip install '.[cpu]'`` in a clone).
 
 Same contract as :func:`hf_kvint2.attention.body_attention_blocked` (its PyTorch reference and fallback). One
 parallel task per (batch row, KV head): each token's codes are read and dequantized once (in the rotated space)
@@ -206,7 +206,7 @@ def body_attention(q_rot, key_body, value_body, *, n_tokens=None, scaling, key_m
     from .attention import mask_to_additive
 
     if not _NUMBA:
-        raise ImportError("The Numba CPU kernel needs numba: pip install 'hf-kvint2[cpu]' (or 'numba>=0.59').")
+        raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
     b, hq, lq, d = q_rot.shape
     n = key_body.codes.rows if n_tokens is None else n_tokens
     hkv = key_body.codes.data.shape[1]

@@ -291,7 +291,7 @@ def export_onnx(model, path, cache=None, *, max_cache_len: int, batch_size: int 
                 attention_block: int = ATTENTION_BLOCK_TOKENS, opset_version: int | None = None,
                 optimize: bool = False) -> OnnxDecoderSpec:
     """Write the decode step as an ONNX graph (``torch.onnx.export(..., dynamo=True)``, pip install
-    ``hf-kvint2[export]``). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state
+    ``.[export]`` in a clone). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state
     ``layers.<i>.<name>``; outputs: ``logits [B, 1, vocab]`` and ``present.layers.<i>.<name>`` (the new state,
     same shapes). A sequence starts from zero state at position 0. ``optimize=True`` runs onnxscript's graph
     optimizer: off by default, as it spent over 50 minutes on 30-layer SmolLM2 on a 2-core CPU, and ONNX Runtime
