@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 SKIP = re.compile(r"<!--\s*doc-test:\s*skip\s*\((.+?)\)\s*-->\s*$")
+# Deprecations inside third-party internals that no example can avoid (matched exactly, so anything else counts):
+# torch's ONNX exporter deep-copies pytree specs, which trips torch's own LeafSpec deprecation.
+FOREIGN_DEPRECATIONS = ("`isinstance(treespec, LeafSpec)` is deprecated",)
 
 
 def python_blocks() -> list:
@@ -48,5 +51,6 @@ def test_block_runs_without_deprecation_warnings(code, tmp_path):
                          env=env, timeout=900)
     assert run.returncode == 0, f"the block failed:\n{run.stderr[-4000:]}"
     output = run.stdout + run.stderr
-    deprecations = [line for line in output.splitlines() if re.search(r"deprecat", line, re.IGNORECASE)]
+    deprecations = [line for line in output.splitlines() if re.search(r"deprecat", line, re.IGNORECASE)
+                    and not any(known in line for known in FOREIGN_DEPRECATIONS)]
     assert not deprecations, "the block printed deprecation warnings:\n" + "\n".join(deprecations)
