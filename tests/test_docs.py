@@ -1,5 +1,6 @@
 """Every Python block of README.md and docs/*.md runs as written, each in a fresh interpreter, and prints no
-deprecation warning (of hf_kvint2, transformers or anyone else).
+deprecation warning (of hf_kvint2, transformers or anyone else; one torch-internal message is listed
+below).
 
 A block that cannot run here is marked on the line before its fence with
 ``<!-- doc-test: skip (the reason) -->`` (a GPU, several processes, the network); it is skipped with that reason.
