@@ -17,15 +17,20 @@ from hf_kvint2 import OscarCache, OscarScaledCache, layers
 # that its peak RSS is this prefill's; inputs are drawn directly in bf16 (no float32 staging copy), and a small
 # warm-up update first loads the code paths.
 MEASURE = textwrap.dedent("""
-    import gc, json, resource, sys, torch
+    import gc, json, sys, torch
     from hf_kvint2 import OscarCache, OscarScaledCache
     torch.set_num_threads(1)
     tokens, path, kind = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     make = OscarScaledCache if kind == "scaled" else OscarCache
+    def status(field):  # bytes
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field + ":"))
     def rss():
-        return int(open("/proc/self/statm").read().split()[1]) * 4096
-    def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return status("VmRSS")
+    def peak():  # since the last reset_peak(); ru_maxrss would include the parent's RSS at fork
+        return status("VmHWM")
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     warm = make()
     warm.update(torch.zeros(1, 8, 600, 128, dtype=torch.bfloat16), torch.ones(1, 8, 600, 128, dtype=torch.bfloat16), 0)
     del warm
@@ -38,8 +43,9 @@ MEASURE = textwrap.dedent("""
         cache.update(k[:, :, :1], v[:, :, :1], 0)
         cache.reset()
         cache.layers[0].fused_attention = True
+    reset_peak()
     before = rss()
-    assert peak() < before + 8 << 20, "the set-up peaked above the baseline; the measurement would be biased"
+    assert peak() < before + (8 << 20), "the peak did not reset; the measurement would be biased"
     out = cache.update(k, v, 0)
     print(json.dumps({"input": 2 * k.numel() * k.element_size(), "extra_peak": peak() - before,
                       "stored": cache.memory_report()["layers"][0]["allocated"]}))
