@@ -35,8 +35,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# torch is imported inside the functions, so that --help prints at once.
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -89,6 +88,8 @@ def timer(fn, device) -> float:
 
 
 def sync(device):
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -97,6 +98,8 @@ def sync(device):
 def make_layer(kind: str, sink: int, recent: int, seed: int = 0, head_dim: int = 128, kv_heads: int = 8):
     """An empty OscarLayer with OSCAR's layout (Hadamard-or-calibrated rotation, clipping, per-token groups,
     centring) or OScaR's (per-channel keys with token norms, per-token values)."""
+    import torch
+
     from hf_kvint2.layers import OscarLayer
     from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
     from hf_kvint2.transforms import spectral_rotation
@@ -121,6 +124,8 @@ def fill_layer(layer, batch: int, ctx: int, kv_heads: int, head_dim: int, dtype,
                seed: int = 0):
     """Append ``ctx`` random tokens (prefill in chunks, like a long prompt); on CUDA they are quantized by the
     Triton quantize-and-pack kernel. Keys get a per-head offset and an outlier channel, like real post-RoPE keys."""
+    import torch
+
     g = torch.Generator(device=device).manual_seed(seed)
     offset = torch.randn(1, kv_heads, 1, head_dim, generator=g, device=device)
     for t0 in range(0, ctx, chunk):
@@ -140,6 +145,8 @@ def body_bytes(layer) -> int:
 
 # ------------------------------------------------------------------------------------------------ stage 1: correctness
 def check_correctness(device, shapes, dry: bool) -> dict:
+    import torch
+
     from hf_kvint2 import kernels
     from hf_kvint2.quant import dequantize_int2
 
@@ -177,6 +184,7 @@ def check_correctness(device, shapes, dry: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------------ stage 2/3: attention
 def sdpa_flash(q, k, v, scale):
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -185,6 +193,8 @@ def sdpa_flash(q, k, v, scale):
 
 def sdpa_runner(q, k, v, scale, device):
     """SDPA with the flash backend (GQA by enable_gqa); the backend actually used is returned with it."""
+    import torch.nn.functional as F
+
     if device.type == "cuda":
         try:
             sdpa_flash(q, k, v, scale)
@@ -195,6 +205,8 @@ def sdpa_runner(q, k, v, scale, device):
 
 
 def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
+    import torch
+
     from hf_kvint2 import kernels
 
     hq, hkv, d = shapes["hq"], shapes["hkv"], shapes["d"]
@@ -232,6 +244,7 @@ def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
 
 def tune(shapes, device, ctx, sink, recent) -> dict:
     """Time the decode kernel over launch settings at one shape; leave the fastest in TUNING."""
+    import torch
     from hf_kvint2.kernels import decode_attention
 
     from hf_kvint2 import kernels
@@ -260,6 +273,7 @@ def tune(shapes, device, ctx, sink, recent) -> dict:
 
 # ------------------------------------------------------------------------------------------------ stage 4: end to end
 def bench_e2e(contexts, new_tokens, device, dry: bool) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
     import hf_kvint2
@@ -357,10 +371,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (default 8192,...,131072)")
     ap.add_argument("--e2e-contexts", default=None, help="end-to-end contexts (default 32768,65536)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode steps timed end to end (default 32)")
-    ap.add_argument("--skip-tune", action="store_true")
-    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--skip-tune", action="store_true", help="skip the kernel tuning stage")
+    ap.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end decode stage")
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip remaining stages after this many seconds")
     args = ap.parse_args(argv)
+    import torch
+
     # past_key_values= stays: transformers 5.17 (the GPU image) has no `cache=` yet.
     warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated")
     start = time.perf_counter()
