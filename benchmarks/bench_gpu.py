@@ -36,8 +36,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# torch is imported inside the functions, so that --help prints at once.
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -90,6 +89,8 @@ def timer(fn, device) -> float:
 
 
 def sync(device):
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -98,6 +99,8 @@ def sync(device):
 def make_layer(kind: str, sink: int, recent: int, seed: int = 0, head_dim: int = 128, kv_heads: int = 8):
     """An empty OscarLayer with OSCAR's layout (Hadamard-or-calibrated rotation, clipping, per-token groups,
     centring) or OScaR's (per-channel keys with token norms, per-token values)."""
+    import torch
+
     from hf_kvint2.layers import OscarLayer
     from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
     from hf_kvint2.transforms import spectral_rotation
@@ -122,6 +125,8 @@ def fill_layer(layer, batch: int, ctx: int, kv_heads: int, head_dim: int, dtype,
                seed: int = 0):
     """Append ``ctx`` random tokens (prefill in chunks, like a long prompt); on CUDA they are quantized by the
     Triton quantize-and-pack kernel. Keys get a per-head offset and an outlier channel, like real post-RoPE keys."""
+    import torch
+
     g = torch.Generator(device=device).manual_seed(seed)
     offset = torch.randn(1, kv_heads, 1, head_dim, generator=g, device=device)
     for t0 in range(0, ctx, chunk):
@@ -141,6 +146,8 @@ def body_bytes(layer) -> int:
 
 # ------------------------------------------------------------------------------------------------ stage 1: correctness
 def check_correctness(device, shapes, dry: bool) -> dict:
+    import torch
+
     from hf_kvint2 import kernels
     from hf_kvint2.quant import dequantize_int2
 
@@ -178,6 +185,7 @@ def check_correctness(device, shapes, dry: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------------ stage 2/3: attention
 def sdpa_flash(q, k, v, scale):
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -186,6 +194,8 @@ def sdpa_flash(q, k, v, scale):
 
 def sdpa_runner(q, k, v, scale, device):
     """SDPA with the flash backend (GQA by enable_gqa); the backend actually used is returned with it."""
+    import torch.nn.functional as F
+
     if device.type == "cuda":
         try:
             sdpa_flash(q, k, v, scale)
@@ -196,6 +206,8 @@ def sdpa_runner(q, k, v, scale, device):
 
 
 def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
+    import torch
+
     from hf_kvint2 import kernels
 
     hq, hkv, d = shapes["hq"], shapes["hkv"], shapes["d"]
@@ -234,6 +246,7 @@ def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
 def tune(shapes, device, ctx, sink, recent, dry: bool = False) -> dict:
     """Time the decode kernel over launch settings at one shape; leave the fastest in TUNING (a dry run sweeps two
     settings and restores TUNING: interpreter timings mean nothing)."""
+    import torch
     from hf_kvint2.kernels import decode_attention
 
     from hf_kvint2 import kernels
@@ -267,6 +280,8 @@ def tune(shapes, device, ctx, sink, recent, dry: bool = False) -> dict:
 def roofline_comparison(rows, shapes, device) -> list[dict]:
     """Measured whole-layer step and SDPA times against benchmarks/roofline.py's bandwidth-bound predictions for
     the same shapes on this GPU (H200 bandwidth unless the device is an A100)."""
+    import torch
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import roofline
 
@@ -289,6 +304,7 @@ def roofline_comparison(rows, shapes, device) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ stage 4: end to end
 def bench_e2e(contexts, new_tokens, device, dry: bool) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
     import hf_kvint2
@@ -386,10 +402,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (default 8192,...,131072)")
     ap.add_argument("--e2e-contexts", default=None, help="end-to-end contexts (default 32768,65536)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode steps timed end to end (default 32)")
-    ap.add_argument("--skip-tune", action="store_true")
-    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--skip-tune", action="store_true", help="skip the kernel tuning stage")
+    ap.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end decode stage")
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip remaining stages after this many seconds")
     args = ap.parse_args(argv)
+    import torch
+
     # past_key_values= stays: transformers 5.17 (the GPU image) has no `cache=` yet.
     warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated")
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Gemma 3 270M: where the 2-bit caches lose quality, layer by layer and keys vs values (issue 18).
+"""Gemma 3 270M: where the 2-bit caches lose quality, layer by layer and keys vs values.
 
 Protocol (the quality benchmark's chunked protocol on one window): the first 1536 tokens of Emma, prefill 512
 tokens, then chunks of 64 through the same cache; fp32, SDPA attention; the perplexity of the 1024 tokens
@@ -22,8 +22,29 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--window", type=int, default=1536, help="tokens of Emma in the evaluated window")
+    p.add_argument("--prefill", type=int, default=512, help="tokens of the first forward (then chunks)")
+    p.add_argument("--chunk", type=int, default=64, help="tokens per teacher-forced chunk after the prefill")
+    p.add_argument("--stages", default="table,breakdown", help="comma-separated: table (the cache table), "
+                   "breakdown (one layer / keys or values at a time)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default=str(RESULTS / "gemma3_layers"), help="output path prefix (.json is added)")
+    p.add_argument("--plot", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
+                   help="only draw <out>.png from two result files of this script")
+    return p
+
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    build_parser().parse_args()  # help printed before torch and the model code load
 
 import torch
 import transformers
@@ -36,8 +57,6 @@ from hf_kvint2.evaluation import EVAL_TEXT, encode, eval_windows, load_text
 from hf_kvint2.layers import OscarLayer
 from hf_kvint2.models import load_gemma3
 from hf_kvint2.recipes import LayerRecipe
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @torch.no_grad()
@@ -106,15 +125,7 @@ def plot(before: dict, after: dict, path: Path) -> None:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--window", type=int, default=1536)
-    p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=64)
-    p.add_argument("--stages", default="table,breakdown")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=str(RESULTS / "gemma3_layers"), help="output path prefix (.json is added)")
-    p.add_argument("--plot", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
-                   help="only draw <out>.png from two result files of this script")
+    p = build_parser()
     args = p.parse_args(argv)
     if args.plot:
         before, after = (json.loads(Path(f).read_text()) for f in args.plot)

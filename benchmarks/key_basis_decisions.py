@@ -1,4 +1,4 @@
-"""Which layers' keys leave the Hadamard basis (issue 18), and by what margin, on the bundled models.
+"""Which layers' keys leave the Hadamard basis, and by what margin, on the bundled models.
 
 An uncalibrated key stream settles its basis from the first tokens it quantizes: channel-grouped keys (OScaR) drop
 the Hadamard, per-token keys (uncalibrated OSCAR) switch to per-channel groups, when the spread of the per-channel
@@ -14,7 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2", help="bundled model to inspect")
+    p.add_argument("--windows", type=int, default=8, help="evaluation windows of Emma")
+    p.add_argument("--window", type=int, default=2048, help="tokens per window")
+    p.add_argument("--prefill", type=int, default=512, help="tokens of the first forward (its demotion decides)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/key_basis_<model>.json")
+    return p
+
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    build_parser().parse_args()  # help printed before torch and the model code load
 
 import torch
 from tqdm.auto import tqdm
@@ -30,13 +46,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 @torch.no_grad()
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2")
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window", type=int, default=2048)
-    p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="default benchmarks/results/key_basis_<model>.json")
+    p = build_parser()
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .distributed import TensorParallelShard
 from .key_basis import settled_key_codec
+from .padding import left_padding, position_ids_of_update
 from .quant import tracing
 from .recipes import LayerRecipe
 from .steps import LayerStep
@@ -24,6 +25,9 @@ from .stream import QuantizedStream, StreamCodec
 from .transforms import block_hadamard_matrix, check_orthogonal
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Tokens quantized per step when many leave the recent window at once (a long prefill): the float32 temporaries of
+# the transform scale with this, not with the prompt. A multiple of every demotion block in use (powers of two).
+QUANTIZE_BLOCK_TOKENS = 4096
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
 
 
@@ -84,6 +88,7 @@ class OscarLayer(CacheLayerMixin):
         self.seq_len = 0
         self.key_basis_open = False  # uncalibrated keys: the first demotion settles their basis (hf_kvint2.key_basis)
         self.key_range_spread: float | None = None  # what settled it (key_basis.range_spread), for reports
+        self.left_padding = 0  # tokens the sink holds on top of recipe.sink_tokens (hf_kvint2.padding)
 
     @property
     def _name(self) -> str:
@@ -128,10 +133,13 @@ class OscarLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         validate_kv(self, key_states, value_states, fix=RESET_FIX)
+        n_new = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n_new = key_states.shape[-2]
-        to_sink = min(max(self.recipe.sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
+        if self.seq_len == 0:  # a first chunk: learn the batch's left padding from its position ids
+            self.left_padding = left_padding(position_ids_of_update(args, kwargs), n_new)
+        sink_tokens = self.recipe.sink_tokens + self.left_padding
+        to_sink = min(max(sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
             self.recent_k.shape[-2] == 0 else 0
         before = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
         if to_sink:
@@ -164,8 +172,10 @@ class OscarLayer(CacheLayerMixin):
             if self.recipe.key.axis == "channel":
                 self._settle_keys(self.recent_k[:, :, :n])
             self.key_basis_open = False
-        self.key_body.append(self.recent_k[:, :, :n])
-        self.value_body.append(self.recent_v[:, :, :n])
+        step = max(block, QUANTIZE_BLOCK_TOKENS // block * block)  # whole demotion blocks: same groups, same codes
+        for start in range(0, n, step):
+            self.key_body.append(self.recent_k[:, :, start:min(start + step, n)])
+            self.value_body.append(self.recent_v[:, :, start:min(start + step, n)])
         # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()

@@ -248,10 +248,15 @@ def _body_tensors(body):
 def _num_warps(head_dim: int, key_body) -> int:
     """Warps per program. OScaR's per-channel keys (groups shorter than the head) at head_dim <= 64 take 8: compiled
     for sm_90 with 4 they spilled (128 registers, 16 B of stack), with 8 they fit in 135. Not the other layouts:
-    with 8 warps the per-token and calibration's per-channel layouts spilled 16-32 B on sm_90, with 4 they do not
-    (benchmarks/triton_aot.py, benchmarks/results/triton_aot.json)."""
+    with 8 warps the per-token and calibration's per-channel layouts spilled 16-32 B on sm_90, with 4 they do not.
+    Per-token keys with token norms at head_dim 128 (bf16, centred) sat at 128 registers with 4 warps and spilled
+    4 B on sm_90 in one build; with 8 they take 127 and do not (benchmarks/triton_aot.py,
+    benchmarks/results/triton_aot.json)."""
     small_channel_groups = key_body.layout.axis == "channel" and key_body.group < head_dim
-    return max(8, TUNING["num_warps"]) if head_dim <= 64 and small_channel_groups else TUNING["num_warps"]
+    token_norm_per_token = key_body.layout.axis == "token" and key_body.layout.token_scaling
+    if (head_dim <= 64 and small_channel_groups) or (head_dim == 128 and token_norm_per_token):
+        return max(8, TUNING["num_warps"])
+    return TUNING["num_warps"]
 
 
 def _interpreting() -> bool:
