@@ -114,3 +114,27 @@ def plot(rows: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="also write the predictions as JSON and a PNG plot "
+                    "(PATH.json, PATH.png); benchmarks/triton_aot.py stores them in triton_aot.json")
+    args = ap.parse_args(argv)
+    rows = predictions()
+    for r in rows:
+        print(f"{r['gpu']:5s} batch {r['batch']} {r['context'] // 1024:4d}k {r['method']:17s} "
+              f"{r['predicted_us']:9.1f} µs (predicted)")
+    if args.out:
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+        plot(rows, args.out.with_suffix(".png"))
+        print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
