@@ -144,7 +144,8 @@ def roofline_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="80,90", help="compute capabilities (default 80,90)")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                    help="compiles run in parallel (default: up to 2)")
     ap.add_argument("--filter", default=None, help="only configurations whose name contains this")
     ap.add_argument("--kernels", default=None, help="only these kernels (comma-separated: body_attention, "
                     "merge_splits, quantize_pack)")
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", type=int, default=0, help="recompile this many reused results per kernel/target")
     ap.add_argument("--triton", default=None, help="run with this Triton version (pip install --target, cached)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
-    ap.add_argument("--no-roofline", action="store_true")
+    ap.add_argument("--no-roofline", action="store_true", help="skip the roofline predictions and the plot")
     args = ap.parse_args(argv)
     if args.triton:
         use_triton(args.triton)
