@@ -124,14 +124,21 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (torch and Numba); 0: torch's default")
-    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192],
+                    help="cached tokens before the timed steps (default 2048 8192)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                    help="cache and attention path: dynamic = DynamicCache, hqq = QuantizedCache(hqq, 2 bits), "
+                         "oscar-* = OscarCache, scaled-* = OscarScaledCache; -portable with sdpa, -fused with "
+                         "\"oscar\" (default: all)")
+    ap.add_argument("--steps", type=int, default=5, help="timed decode steps; the median is reported (default 5)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random K/V fill (default 0)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads (torch and Numba); 0: torch's default. On a shared machine use 1")
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json",
+                    help="result JSON; a PNG of the same name is written next to it (default "
+                         "benchmarks/results/decode_cpu.json)")
     ap.add_argument("--worker", nargs=3, metavar=("CONFIG", "BATCH", "CONTEXT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

@@ -11,7 +11,8 @@ Stages: (1) correctness of both kernels against the PyTorch references on the GP
 alone and a whole layer step (rotation, kernel, full-precision windows, merge) against
 ``F.scaled_dot_product_attention`` over bf16 K/V with the flash backend, with achieved bandwidth against the
 H200's 4.8 TB/s; (4) end-to-end greedy decode tokens/s of a random-weight Llama-3-8B-shaped model with
-``DynamicCache`` + SDPA against ``OscarCache`` + ``attn_implementation="oscar"`` at 32k and 64k context.
+``DynamicCache`` + SDPA against ``OscarCache`` + ``attn_implementation="oscar"`` at 32k and 64k context. Each
+measured layer step is also set against ``benchmarks/roofline.py``'s bandwidth-bound prediction (``roofline``).
 Writes ``gpu.json`` and ``gpu.png`` to $OUT when set, else to benchmarks/results/ (``--out`` overrides).
 """
 
@@ -35,8 +36,7 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# torch is imported inside the functions, so that --help prints at once.
 
 ROOT = Path(__file__).resolve().parents[1]
 HBM_BYTES_PER_S = 4.8e12  # H200
@@ -89,6 +89,8 @@ def timer(fn, device) -> float:
 
 
 def sync(device):
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -97,6 +99,8 @@ def sync(device):
 def make_layer(kind: str, sink: int, recent: int, seed: int = 0, head_dim: int = 128, kv_heads: int = 8):
     """An empty OscarLayer with OSCAR's layout (Hadamard-or-calibrated rotation, clipping, per-token groups,
     centring) or OScaR's (per-channel keys with token norms, per-token values)."""
+    import torch
+
     from hf_kvint2.layers import OscarLayer
     from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
     from hf_kvint2.transforms import spectral_rotation
@@ -121,6 +125,8 @@ def fill_layer(layer, batch: int, ctx: int, kv_heads: int, head_dim: int, dtype,
                seed: int = 0):
     """Append ``ctx`` random tokens (prefill in chunks, like a long prompt); on CUDA they are quantized by the
     Triton quantize-and-pack kernel. Keys get a per-head offset and an outlier channel, like real post-RoPE keys."""
+    import torch
+
     g = torch.Generator(device=device).manual_seed(seed)
     offset = torch.randn(1, kv_heads, 1, head_dim, generator=g, device=device)
     for t0 in range(0, ctx, chunk):
@@ -140,6 +146,8 @@ def body_bytes(layer) -> int:
 
 # ------------------------------------------------------------------------------------------------ stage 1: correctness
 def check_correctness(device, shapes, dry: bool) -> dict:
+    import torch
+
     from hf_kvint2 import kernels
     from hf_kvint2.quant import dequantize_int2
 
@@ -177,6 +185,7 @@ def check_correctness(device, shapes, dry: bool) -> dict:
 
 # ------------------------------------------------------------------------------------------------ stage 2/3: attention
 def sdpa_flash(q, k, v, scale):
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -185,6 +194,8 @@ def sdpa_flash(q, k, v, scale):
 
 def sdpa_runner(q, k, v, scale, device):
     """SDPA with the flash backend (GQA by enable_gqa); the backend actually used is returned with it."""
+    import torch.nn.functional as F
+
     if device.type == "cuda":
         try:
             sdpa_flash(q, k, v, scale)
@@ -195,6 +206,8 @@ def sdpa_runner(q, k, v, scale, device):
 
 
 def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
+    import torch
+
     from hf_kvint2 import kernels
 
     hq, hkv, d = shapes["hq"], shapes["hkv"], shapes["d"]
@@ -230,8 +243,10 @@ def bench_layer(kind, batch, ctx, shapes, device, sink, recent) -> dict:
     return row
 
 
-def tune(shapes, device, ctx, sink, recent) -> dict:
-    """Time the decode kernel over launch settings at one shape; leave the fastest in TUNING."""
+def tune(shapes, device, ctx, sink, recent, dry: bool = False) -> dict:
+    """Time the decode kernel over launch settings at one shape; leave the fastest in TUNING (a dry run sweeps two
+    settings and restores TUNING: interpreter timings mean nothing)."""
+    import torch
     from hf_kvint2.kernels import decode_attention
 
     from hf_kvint2 import kernels
@@ -241,9 +256,11 @@ def tune(shapes, device, ctx, sink, recent) -> dict:
                        torch.bfloat16, device)
     q_rot = torch.randn(1, hq, 1, d, device=device)
     results = []
-    for block_n in (32, 64, 128):
-        for num_warps in (4, 8):
-            for per_sm in (2, 4, 8, 16):
+    saved = dict(decode_attention.TUNING)
+    grid = ((32, 64), (4,), (4,)) if dry else ((32, 64, 128), (4, 8), (2, 4, 8, 16))
+    for block_n in grid[0]:
+        for num_warps in grid[1]:
+            for per_sm in grid[2]:
                 decode_attention.TUNING.update(block_n=block_n, num_warps=num_warps, programs_per_sm=per_sm)
                 try:
                     ms = timer(lambda: kernels.body_attention(q_rot, layer.key_body.read(), layer.value_body.read(), scaling=0.1,
@@ -255,11 +272,39 @@ def tune(shapes, device, ctx, sink, recent) -> dict:
     best = min((r for r in results if r["ms"] is not None), key=lambda r: r["ms"])
     decode_attention.TUNING.update(block_n=best["block_n"], num_warps=best["num_warps"],
                                    programs_per_sm=best["programs_per_sm"])
+    if dry:
+        decode_attention.TUNING.update(saved)
     return {"context": ctx, "batch": 1, "results": results, "best": best}
+
+
+def roofline_comparison(rows, shapes, device) -> list[dict]:
+    """Measured whole-layer step and SDPA times against benchmarks/roofline.py's bandwidth-bound predictions for
+    the same shapes on this GPU (H200 bandwidth unless the device is an A100)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import roofline
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else ""
+    gpu = "A100" if "A100" in name else "H200"
+    spec = roofline.GPUS[gpu]
+    caches = {"oscar": "OscarCache", "oscar_scaled": "OscarScaledCache"}
+    out = []
+    for r in rows:
+        if "error" in r:
+            continue
+        for method, ms in ((caches[r["layout"]], r["triton_layer_ms"]), ("bf16 SDPA", r["sdpa_ms"])):
+            parts = roofline.step_bytes(method, r["batch"], r["context"], spec["arch"], shapes)
+            predicted_us = sum(v for k, v in parts.items() if k != "num_splits") / spec["bytes_per_s"] * 1e6
+            out.append({"method": method, "batch": r["batch"], "context": r["context"], "bandwidth_of": gpu,
+                        "predicted_us": predicted_us, "measured_us": 1e3 * ms,
+                        "measured_over_predicted": 1e3 * ms / predicted_us})
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ stage 4: end to end
 def bench_e2e(contexts, new_tokens, device, dry: bool) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
     import hf_kvint2
@@ -357,10 +402,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--contexts", default=None, help="comma-separated contexts (default 8192,...,131072)")
     ap.add_argument("--e2e-contexts", default=None, help="end-to-end contexts (default 32768,65536)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode steps timed end to end (default 32)")
-    ap.add_argument("--skip-tune", action="store_true")
-    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--skip-tune", action="store_true", help="skip the kernel tuning stage")
+    ap.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end decode stage")
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip remaining stages after this many seconds")
     args = ap.parse_args(argv)
+    import torch
+
     # past_key_values= stays: transformers 5.17 (the GPU image) has no `cache=` yet.
     warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated")
     start = time.perf_counter()
@@ -405,9 +452,9 @@ def main(argv=None) -> dict:
     for name, r in result["correctness"].items():
         print(f"  {name}: attention err {r['attention_max_abs_err']:.2e} (tol {r['attention_tol']:.0e}), "
               f"code mismatch {r['code_mismatch_fraction']:.2%} -> {'ok' if r['ok'] else 'FAIL'}")
-    if not args.skip_tune and not dry and not over_budget("tuning"):
+    if not args.skip_tune and not over_budget("tuning"):
         print("[2/4] launch-setting sweep at 64k, batch 1")
-        result["tuning"] = tune(shapes, device, 65536, sink, recent)
+        result["tuning"] = tune(shapes, device, 160 if dry else 65536, sink, recent, dry)
         print(f"  best: {result['tuning']['best']}")
     from hf_kvint2.kernels import decode_attention
 
@@ -433,6 +480,7 @@ def main(argv=None) -> dict:
                        f"sdpa[{r['sdpa_backend']}] {r['sdpa_ms']:.3f} ms -> {r['speedup_body_vs_sdpa']:.2f}x body, "
                        f"{r['speedup_layer_vs_sdpa']:.2f}x layer")
     result["attention"] = rows
+    result["roofline"] = roofline_comparison(rows, shapes, device)
 
     if not args.skip_e2e and not over_budget("end to end"):
         print("[4/4] end-to-end decode")

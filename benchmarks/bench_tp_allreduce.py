@@ -29,9 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# torch is imported inside the functions, so that --help prints at once.
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,6 +41,8 @@ def _free_port() -> int:
 
 
 def _times_ms(fn, repeats: int) -> list[float]:
+    import torch.distributed as dist
+
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -53,6 +53,9 @@ def _times_ms(fn, repeats: int) -> list[float]:
 
 
 def bench_collective(repeats: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
     rows = []
     for batch, tokens in ((1, 1), (8, 1), (1, 32), (8, 32)):
         x = torch.rand(batch, tokens, dtype=torch.float64)
@@ -72,6 +75,9 @@ def _layers(recipe, n_layers: int, shard):
 
 
 def bench_layers(shard, args, collective: list[dict]) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
     from hf_kvint2.recipes import GroupLayout, oscar_scaled_recipe
 
     layouts = {  # name: (recipe, decode steps per collective of a layer)
@@ -115,6 +121,8 @@ def bench_layers(shard, args, collective: list[dict]) -> list[dict]:
 
 
 def bench_model(model_dir: str, args) -> dict:
+    import torch
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from hf_kvint2 import OscarScaledCache
@@ -159,6 +167,9 @@ def bench_model(model_dir: str, args) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, args, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -212,16 +223,23 @@ def _plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8, help="cache layers in the store-only step (default 8)")
     parser.add_argument("--kv-heads", type=int, default=8, help="global KV heads (each of 2 ranks holds half)")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--head-dim", type=int, default=64, help="head_dim of the synthetic layers (default 64)")
+    parser.add_argument("--context", type=int, default=256, help="tokens prefilled before the timed steps "
+                        "(layers and model; default 256)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed (two 32-token flushes)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default=str(RESULTS / "tp_allreduce"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
+    parser.add_argument("--new-tokens", type=int, default=33,
+                        help="tokens generated per timed run of the tiny model (default 33)")
+    parser.add_argument("--repeats", type=int, default=7, help="repetitions of each timing; best and median "
+                        "are reported (default 7)")
+    parser.add_argument("--out", default=str(RESULTS / "tp_allreduce"),
+                        help="output path prefix for .json and .png (default benchmarks/results/tp_allreduce)")
     args = parser.parse_args()
+    import torch
+    import torch.multiprocessing as mp
+
     world = 2
     from transformers import AutoModelForCausalLM, LlamaConfig
 

@@ -1,4 +1,4 @@
-"""Calibrated per-layer layout choice vs each single layout on every layer (issue 3 acceptance).
+"""Calibrated per-layer layout choice vs each single layout on every layer: does the per-layer choice pay off?
 
     python benchmarks/calibration_ablation.py            # SmolLM2-135M, calibrate on Pride and Prejudice, eval on Emma
     python benchmarks/calibration_ablation.py --quick    # tiny random model, whole pipeline in seconds
@@ -19,29 +19,14 @@ import platform
 import time
 from pathlib import Path
 
-import torch
-
-from hf_kvint2 import OscarCache
-from hf_kvint2.calibration import LAYOUTS, CalibrationData, collect_statistics, fit_layers
-from hf_kvint2.evaluation import (
-    CALIBRATION_TEXT,
-    EVAL_TEXT,
-    ByteTokenizer,
-    CacheMethod,
-    bits_at_length,
-    chunked_perplexity,
-    encode,
-    engine_cache,
-    eval_windows,
-    load_text,
-    naive_int2_recipe,
-)
+# torch and hf_kvint2's modules are imported in main(), so that --help prints at once.
 
 RESULTS = Path(__file__).parent / "results"
 
-# name -> fit_layers candidates. "calibrated" is what OscarCache.calibrate does by default.
+# name -> fit_layers candidates. "calibrated" is what OscarCache.calibrate does by default (every layout in
+# hf_kvint2.calibration.LAYOUTS, centred or not).
 VARIANTS = {
-    "calibrated (per-layer choice)": {"layouts": LAYOUTS, "centering": (False, True)},
+    "calibrated (per-layer choice)": {"layouts": None, "centering": (False, True)},
     "Hadamard + fitted clip (all layers)": {"layouts": ("hadamard",), "centering": (False,)},
     "spectral + fitted clip (all layers)": {"layouts": ("spectral",), "centering": (False,)},
     "per-channel K and V (all layers)": {"layouts": ("channel",), "centering": (False,)},
@@ -52,24 +37,45 @@ SINGLE = [name for name in VARIANTS if name.endswith("(all layers)")]
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny random model and small sizes (smoke run)")
-    p.add_argument("--num-tokens", type=int, default=30000)
-    p.add_argument("--calib-window", type=int, default=2048)
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window", type=int, default=2048)
-    p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--num-tokens", type=int, default=30000,
+                   help="calibration tokens read from Pride and Prejudice, held-back window included (default 30000)")
+    p.add_argument("--calib-window", type=int, default=2048, help="tokens per calibration forward (default 2048)")
+    p.add_argument("--windows", type=int, default=8, help="evaluation windows of Emma (default 8)")
+    p.add_argument("--window", type=int, default=2048, help="tokens per evaluation window (default 2048)")
+    p.add_argument("--prefill", type=int, default=512,
+                   help="tokens of each window written into a fresh cache in one forward (default 512)")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per decode chunk after the prefill (default 32)")
     p.add_argument("--bits-tokens", type=int, default=131072, help="context length for the bits/element column")
     p.add_argument("--statistics", default=None,
                    help="statistics written by calibrate_oscar.py --save-statistics (skips the capture passes)")
     p.add_argument("--artifact", default=None,
                    help="the calibrated artifact written by calibrate_oscar.py from the same statistics: its row "
                         "is loaded with OscarCache.from_pretrained, after checking it equals the re-fit")
-    p.add_argument("--out", default=str(RESULTS / "calibration_ablation"))
+    p.add_argument("--out", default=str(RESULTS / "calibration_ablation"),
+                   help="output path prefix for .json and .png (default benchmarks/results/calibration_ablation)")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
+    import torch
+
+    from hf_kvint2 import OscarCache
+    from hf_kvint2.calibration import LAYOUTS, CalibrationData, collect_statistics, fit_layers
+    from hf_kvint2.evaluation import (
+        CALIBRATION_TEXT,
+        EVAL_TEXT,
+        ByteTokenizer,
+        CacheMethod,
+        bits_at_length,
+        chunked_perplexity,
+        encode,
+        engine_cache,
+        eval_windows,
+        load_text,
+        naive_int2_recipe,
+    )
+
     settings = {"sink_tokens": 64, "recent_tokens": 256}
     if args.quick:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -102,7 +108,7 @@ def main():
     for name, cand in VARIANTS.items():
         if args.artifact and name == "calibrated (per-layer choice)":
             continue  # evaluated from the artifact itself (the same fit, written by calibrate_oscar.py)
-        choices = fit_layers(data, **cand, **settings)
+        choices = fit_layers(data, **{**cand, "layouts": cand["layouts"] or LAYOUTS}, **settings)
         caches[name] = (data, choices)
         choices_json[name] = [{"key": c.key.name, "key_clip": c.key.layout.clip, "key_error": c.key_error,
                                "value": c.value.name, "value_clip": c.value.layout.clip,

@@ -1,15 +1,17 @@
-"""Issue 6 acceptance on SmolLM2-135M: exported program, torch.compile (inductor) and ONNX Runtime vs eager.
+"""Export check on SmolLM2-135M: exported program, torch.compile (inductor) and ONNX Runtime vs eager.
 
 Protocol: the shipped calibration (``OscarCache.from_pretrained``, per-token and per-channel layouts mixed across
 layers) and ``OscarScaledCache()`` as static caches; a prompt from Emma is stored eagerly, then the same 32 tokens
 are fed one step at a time. For each backend: the largest logit difference from eager when every step starts from
-the eager cache state ("synced", the acceptance check), and when the backend runs freely from the prefilled cache
+the eager cache state ("synced", the check that matters), and when the backend runs freely from the prefilled cache
 ("free"). Then a greedy loop through the exported program from position 0 (prompt fed token by token).
 
     python benchmarks/export_smollm2.py [--prompt-tokens 400] [--steps 32] [--threads 1] [--skip compile,onnx]
     python benchmarks/export_smollm2.py --model tiny --prompt-tokens 20 --attention-block 16 --threads 1
 
-Writes ``benchmarks/results/export_<model>.json``.
+Writes ``benchmarks/results/export_<model>.json``. Time: on SmolLM2 with the defaults, 15-20 minutes per cache on
+one idle CPU thread (torch.export ~1 min, first torch.compile call ~10 min, ONNX export ~3 min); the tiny model
+takes a few minutes. Export cost grows with max_cache_len (= prompt + steps + margin).
 """
 
 from __future__ import annotations
@@ -22,12 +24,7 @@ import time
 from importlib.resources import files
 from pathlib import Path
 
-import torch
-
-import hf_kvint2  # noqa: F401
-from hf_kvint2 import OscarCache, OscarScaledCache
-from hf_kvint2.export import OscarExportableModule, export_decoder, export_onnx, generate, onnx_step
-from hf_kvint2.models import load_smollm2
+# torch and hf_kvint2's modules are imported where used, so that --help prints at once.
 
 ARTIFACT = "hf-kvint2/SmolLM2-135M-Instruct-oscar"
 
@@ -43,6 +40,8 @@ def _set_states(module, states):
 
 def _compare(step_fn, module, ids, start, states, eager):
     """(synced, free) max |logits - eager| over the steps."""
+    import torch
+
     synced = free = 0.0
     with torch.no_grad():
         for i, t in enumerate(range(start, start + len(eager))):
@@ -57,6 +56,10 @@ def _compare(step_fn, module, ids, start, states, eager):
 
 
 def run_cache(name, model, make_cache, ids, args, save=lambda row: None):
+    import torch
+
+    from hf_kvint2.export import OscarExportableModule, export_decoder, export_onnx, generate, onnx_step
+
     n_prompt, steps = args.prompt_tokens, args.steps
     max_len = n_prompt + steps + args.margin
     row = {"cache": name, "max_cache_len": max_len, "attention_block": args.attention_block}
@@ -137,7 +140,10 @@ def run_cache(name, model, make_cache, ids, args, save=lambda row: None):
 
 def tiny_llama():
     """The tests' tiny random Llama (2 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, vocab 128)."""
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import hf_kvint2  # noqa: F401  (registers "oscar")
 
     torch.manual_seed(1234)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -148,15 +154,24 @@ def tiny_llama():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-tokens", type=int, default=400)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--margin", type=int, default=16)
-    parser.add_argument("--attention-block", type=int, default=128)
-    parser.add_argument("--generate-prompt", type=int, default=16)
-    parser.add_argument("--generate-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)  # 2-thread OpenMP was ~8x slower on the shared 2-core machine
-    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    parser.add_argument("--caches", default=None, help="comma-separated (default: all for the model)")
+    parser.add_argument("--prompt-tokens", type=int, default=400,
+                        help="prompt tokens stored eagerly before the compared steps (default 400)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps compared with eager (default 32)")
+    parser.add_argument("--margin", type=int, default=16,
+                        help="max_cache_len = prompt tokens + steps + margin (default 16)")
+    parser.add_argument("--attention-block", type=int, default=128,
+                        help="body tokens the static attention reads per block (default 128)")
+    parser.add_argument("--generate-prompt", type=int, default=16,
+                        help="prompt tokens of the greedy loop through the exported program (default 16)")
+    parser.add_argument("--generate-tokens", type=int, default=16,
+                        help="tokens that greedy loop generates (default 16)")
+    # 2-thread OpenMP was ~8x slower on the shared 2-core machine
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                        help="the bundled SmolLM2-135M or the tests' tiny random Llama (default smollm2)")
+    parser.add_argument("--caches", default=None,
+                        help="comma-separated: oscar_calibrated, oscar_scaled for smollm2; oscar, oscar_scaled for "
+                             "tiny (default: all for the model)")
     parser.add_argument("--skip", default="", help="comma-separated: compile, onnx, generate")
     parser.add_argument("--onnx-optimize", action="store_true", help="run onnxscript's optimizer (slow on SmolLM2)")
     parser.add_argument("--output", default=None, help="default benchmarks/results/export_<model>.json")
@@ -166,6 +181,11 @@ def main():
     if unknown:
         parser.error(f"--skip: unknown stage(s) {sorted(unknown)}; use compile, onnx, generate")
     args.output = args.output or str(Path(__file__).parent / "results" / f"export_{args.model}.json")
+    import torch
+
+    from hf_kvint2 import OscarCache, OscarScaledCache
+    from hf_kvint2.models import load_smollm2
+
     torch.set_num_threads(args.threads)
     if args.model == "tiny":  # small windows so that 20 prompt tokens already reach the INT2 body
         model = tiny_llama()

@@ -19,31 +19,20 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
-from hf_kvint2 import OscarCache
-from hf_kvint2.evaluation import (
-    EVAL_TEXT,
-    ByteTokenizer,
-    agreement_prompts,
-    bits_at_length,
-    chunked_perplexity,
-    encode,
-    eval_windows,
-    greedy_agreement,
-    load_text,
-    passkey_accuracy,
-    plain_perplexity,
-    standard_methods,
-)
+# torch, transformers and hf_kvint2's modules are imported where used, so that --help prints at once.
 
 RESULTS = Path(__file__).parent / "results"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
+# hf_kvint2.evaluation.standard_methods' keys (tests/test_evaluation.py checks that they agree)
+METHOD_KEYS = ("fp", "oscar_scaled", "oscar", "oscar_token_scaling", "hadamard", "kivi2", "naive", "hqq", "quanto")
 
 
 def tiny_model(seed: int = 0):
     """A tiny random Llama (byte vocabulary, head_dim 32) for the smoke run."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_kvint2.evaluation import ByteTokenizer
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -52,20 +41,25 @@ def tiny_model(seed: int = 0):
 
 
 def load_model(args):
+    import torch
+
+    dtype = getattr(torch, DTYPES[args.dtype])
     if args.quick:
         return tiny_model()
     if args.model == "smollm2":
         from hf_kvint2.models import load_smollm2
 
-        return load_smollm2(DTYPES[args.dtype], attn_implementation="sdpa")
+        return load_smollm2(dtype, attn_implementation="sdpa")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
     return model.eval(), AutoTokenizer.from_pretrained(args.model)
 
 
 def calibrated_factory(args):
     """``config -> fresh calibrated OscarCache`` or None (rows left out) when no calibration is available."""
+    from hf_kvint2 import OscarCache
+
     source = args.calibration
     if source is None and args.model == "smollm2" and not args.quick:
         try:
@@ -85,13 +79,13 @@ def calibrated_factory(args):
 
 
 def available_backends() -> tuple[str, ...]:
-    """transformers' QuantizedCache backends that are installed (pip install 'hf-kvint2[bench]')."""
+    """transformers' QuantizedCache backends that are installed (pip install '.[bench]' in a clone)."""
     from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
     found = {"hqq": is_hqq_available(), "quanto": is_optimum_quanto_available()}
     for name, ok in found.items():
         if not ok:
-            print(f"{name} is not installed: its QuantizedCache row is left out (pip install 'hf-kvint2[bench]').",
+            print(f"{name} is not installed: its QuantizedCache row is left out (pip install '.[bench]' in a clone).",
                   file=sys.stderr)
     return tuple(name for name, ok in found.items() if ok)
 
@@ -99,18 +93,23 @@ def available_backends() -> tuple[str, ...]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a Hugging Face causal LM id/path")
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model and K/V dtype (default fp32)")
     p.add_argument("--calibration", help="OscarCache artifact (Hub id or folder); default: the embedded SmolLM2 one")
-    p.add_argument("--methods", help="comma-separated method keys (default: all available)")
-    p.add_argument("--windows", type=int, default=8)
-    p.add_argument("--window", type=int, default=2048)
-    p.add_argument("--prefill", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--methods", help="comma-separated, among: " + ", ".join(METHOD_KEYS) + " (default: all "
+                   "available; 'fp' is required as the baseline; hqq/quanto need pip install '.[bench]' in a clone)")
+    p.add_argument("--windows", type=int, default=8, help="evaluation windows of Emma, evenly spaced (default 8)")
+    p.add_argument("--window", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--prefill", type=int, default=512,
+                   help="tokens of each window written into a fresh cache in one forward (default 512)")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per decode chunk after the prefill (default 32)")
     p.add_argument("--long", action="store_true", help="long-context variant: windows 8192, prefill 1024, chunks 64")
-    p.add_argument("--passkey-lengths", default="1024,2048,4096,8192")
-    p.add_argument("--passkey-depths", default="0.1,0.3,0.5,0.7,0.9")
-    p.add_argument("--agreement-prompts", type=int, default=16)
-    p.add_argument("--agreement-tokens", type=int, default=64)
+    p.add_argument("--passkey-lengths", default="1024,2048,4096,8192",
+                   help="comma-separated prompt lengths in tokens for passkey retrieval (default 1024,2048,4096,8192)")
+    p.add_argument("--passkey-depths", default="0.1,0.3,0.5,0.7,0.9",
+                   help="comma-separated relative depths of the passkey in the haystack (default 0.1,...,0.9)")
+    p.add_argument("--agreement-prompts", type=int, default=16, help="prompts for greedy agreement (default 16)")
+    p.add_argument("--agreement-tokens", type=int, default=64,
+                   help="greedy tokens compared with full precision per prompt (default 64)")
     p.add_argument("--bits-tokens", type=int, default=131072, help="context length for the reported bits/element")
     p.add_argument("--bits-probes", default="4096,8192",
                    help="two fill lengths whose byte counts are extrapolated to --bits-tokens (exact past the windows)")
@@ -118,7 +117,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny random model and small sizes (CI smoke test)")
     p.add_argument("--out", default=None, help="output path prefix (default benchmarks/results/quality[_long|_quick])")
     p.add_argument("--update", action="store_true", help="merge into the existing <out>.json (same protocol)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice; on a shared machine 1 can be much faster)")
     args = p.parse_args(argv)
     if args.long:
         args.window, args.prefill, args.chunk = 8192, 1024, 64
@@ -249,6 +249,22 @@ def _canonical_order(result: dict, keys: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    import torch
+
+    from hf_kvint2.evaluation import (
+        EVAL_TEXT,
+        agreement_prompts,
+        bits_at_length,
+        chunked_perplexity,
+        encode,
+        eval_windows,
+        greedy_agreement,
+        load_text,
+        passkey_accuracy,
+        plain_perplexity,
+        standard_methods,
+    )
+
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     if args.threads:
         torch.set_num_threads(args.threads)

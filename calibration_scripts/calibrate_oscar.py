@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Calibrate OSCAR (SPEC 3) for a causal LM and write the artifact (SPEC 6).
+"""Calibrate OSCAR (fitted rotations, clip ratios, centring, per-layer layout) for a causal LM; write the artifact.
 
     python calibration_scripts/calibrate_oscar.py --model smollm2 \\
         --text hf_kvint2/data/prideprejudice.txt --num-tokens 30000 --output runs/smollm2-oscar
@@ -7,6 +7,10 @@
 ``--model smollm2`` (the default) is the bundled SmolLM2-135M-Instruct; any other value is a Hub id or a local
 folder for ``AutoModelForCausalLM``. ``--text`` may be given several times. The artifact is written with
 ``OscarCache.save_pretrained`` and, with ``--push-to-hub REPO_ID``, uploaded.
+
+Time: minutes. SmolLM2-135M with --num-tokens 30000 took about 6 minutes on one CPU thread (1.4 GiB peak memory);
+it grows with the model size and --num-tokens. On a shared machine keep --threads at 1 (the default): several
+threads competing with other jobs were 8x slower here.
 """
 
 from __future__ import annotations
@@ -16,27 +20,34 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch and transformers are imported after the arguments are parsed, so that --help prints at once.
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="'smollm2' (bundled, default), a Hub id or a local path")
     p.add_argument("--revision", default=None, help="model revision on the Hub")
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES, help="model dtype (default float32)")
     p.add_argument("--text", action="append", required=True, metavar="FILE",
                    help="calibration text file (UTF-8); repeat for several")
-    p.add_argument("--num-tokens", type=int, default=30000, help="tokens to read in total (default 30000)")
+    p.add_argument("--num-tokens", type=int, default=30000,
+                   help="tokens of text read in total (default 30000). The last --window of them are held back to "
+                        "choose layouts and fit clips; the rest feed the statistics in two passes over the model, so "
+                        "the progress bar counts 2 x statistics + held-back tokens (6144 for --num-tokens 4096 with "
+                        "--window 2048)")
     p.add_argument("--window", type=int, default=2048, help="tokens per forward window (default 2048)")
     p.add_argument("--no-fit-clip", action="store_true",
                    help="keep the reference clip ratios 0.96 (keys) / 0.92 (values) instead of fitting them")
     p.add_argument("--layouts", default="spectral,hadamard,channel",
                    help="comma-separated per-layer candidates among spectral,hadamard,channel")
     p.add_argument("--no-centering", action="store_true", help="do not consider centred candidates")
-    p.add_argument("--sink-tokens", type=int, default=64)
-    p.add_argument("--recent-tokens", type=int, default=256)
+    p.add_argument("--sink-tokens", type=int, default=64,
+                   help="full-precision tokens at the start that the artifact's cache keeps (default 64)")
+    p.add_argument("--recent-tokens", type=int, default=256,
+                   help="full-precision recent window of the artifact's cache (default 256)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: robust on shared machines; 0 = torch's default)")
     p.add_argument("--output", required=True, help="folder to write the artifact to")
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="also upload the artifact to this repo")
     p.add_argument("--save-statistics", metavar="FILE", default=None,
@@ -45,7 +56,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_model(name: str, revision: str | None, dtype: torch.dtype):
+def load_model(name: str, revision: str | None, dtype):
     """(model, tokenizer, model id, revision) for ``name``."""
     if name.lower() in ("smollm2", "default"):
         from hf_kvint2.models import DEFAULT_MODEL_ID, load_smollm2
@@ -61,6 +72,20 @@ def load_model(name: str, revision: str | None, dtype: torch.dtype):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return calibrate(args)
+    finally:  # called in-process (tests): leave torch's thread count as it was
+        torch.set_num_threads(threads)
+
+
+def calibrate(args) -> int:
+    import torch
+
     from hf_kvint2 import OscarCache
     from hf_kvint2.calibration import calibration_summary
 
@@ -70,7 +95,7 @@ def main(argv=None) -> int:
             sys.exit(f"--text {path}: no such file.")
         texts.append(Path(path).read_text(encoding="utf-8"))
         names.append(Path(path).name)
-    model, tokenizer, model_id, revision = load_model(args.model, args.revision, _DTYPES[args.dtype])
+    model, tokenizer, model_id, revision = load_model(args.model, args.revision, getattr(torch, args.dtype))
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
     cache = OscarCache.calibrate(
         model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window, fit_clip=not args.no_fit_clip,

@@ -78,4 +78,6 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
+register()  # importing this module (which imports transformers' model code) makes "oscar" available
+
 __all__ = ["ATTN_IMPLEMENTATION", "oscar_attention_forward", "register"]

@@ -31,10 +31,17 @@ class BodyBackend:
     device_type: str | None  # None: any device
     available: Callable[[], bool]
     run: BodyPartial
+    # The Triton kernel's matrix products take the model's 16-bit dtype as operands (fp32 accumulation), as flash
+    # attention does; the rotated query reaching it is fp32, so the model dtype is passed as an option.
+    takes_dot_dtype: bool = False
+
+    def options(self, query) -> dict:
+        """Backend options that depend on the query (the model's dtype)."""
+        return {"dot_dtype": query.dtype} if self.takes_dot_dtype else {}
 
 
 BODY_BACKENDS = {
-    "triton": BodyBackend("triton", "cuda", kernels.triton_available, kernels.body_attention),
+    "triton": BodyBackend("triton", "cuda", kernels.triton_available, kernels.body_attention, takes_dot_dtype=True),
     "numba": BodyBackend("numba", "cpu", cpu_kernels.available, cpu_kernels.body_attention),
     "torch": BodyBackend("torch", None, lambda: True, body_partial_blocked),
 }

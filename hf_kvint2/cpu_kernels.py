@@ -1,4 +1,4 @@
-"""Numba CPU kernel for the INT2 body partial attention (optional: ``pip install hf-kvint2[cpu]``).
+"""Numba CPU kernel for the INT2 body partial attention (optional: ``pip install '.[cpu]'`` in a clone).
 
 Same contract as :func:`hf_kvint2.read_path.body_partial_blocked` (its PyTorch fallback; registered in
 :mod:`hf_kvint2.backends`). One
@@ -206,7 +206,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     """Numba body partial over :class:`~hf_kvint2.stream.QuantizedBody` tokens: ``(out_rot [B, Hq, Lq, D] fp32,
     lse [B, Hq, Lq] fp32)``, see the module docstring."""
     if not _NUMBA:
-        raise ImportError("The Numba CPU kernel needs numba: pip install 'hf-kvint2[cpu]' (or 'numba>=0.59').")
+        raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
     b, hq, lq, d = q_rot.shape
     n = key_body.tokens
     hkv = key_body.codes.shape[1]

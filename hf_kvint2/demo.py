@@ -8,34 +8,26 @@ cache's continuation, KV bytes and bits per element.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
-import warnings
 from importlib.resources import files
 
-import torch
-from tqdm.auto import tqdm
-from transformers import DynamicCache
-from transformers.generation.streamers import BaseStreamer
-
-from .attention import ATTN_IMPLEMENTATION
-from .cache import OscarCache, OscarCacheBase, OscarScaledCache
-from .hub import SMOLLM2_ARTIFACT_ID
-from .models import load_smollm2
-
-# Newer transformers 5.x rename generate's `past_key_values` to `cache` and warn; 5.17 knows only the old name.
-warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch, transformers and the caches are imported after the arguments are parsed, so that --help prints at once.
+DTYPES = ("bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATION = "oscar"  # hf_kvint2.attention.ATTN_IMPLEMENTATION, without importing transformers
 
 
-def make_oscar_cache(model) -> OscarCache:
+def make_oscar_cache(model):
     """The OscarCache the demo runs: the calibration for SmolLM2 shipped inside the package (fitted on Pride and
     Prejudice; loads offline), validated against the model's config."""
+    from .cache import OscarCache
+    from .hub import SMOLLM2_ARTIFACT_ID
+
     return OscarCache.from_pretrained(SMOLLM2_ARTIFACT_ID, config=model.config)
 
 
-def austen_context(tokenizer, context_tokens: int) -> torch.Tensor:
+def austen_context(tokenizer, context_tokens: int):
     """The first ``context_tokens`` tokens of *Emma* (cut back to the last paragraph end), as ``[1, T]`` ids."""
     text = files("hf_kvint2.data").joinpath("emma.txt").read_text(encoding="utf-8")
     start = text.index("Emma Woodhouse, handsome")  # skip the title page
@@ -52,6 +44,10 @@ def austen_context(tokenizer, context_tokens: int) -> torch.Tensor:
 
 def kv_bytes_and_bits(cache) -> tuple[int, float]:
     """Bytes of K/V held by ``cache`` and the resulting bits per cached element."""
+    import torch
+
+    from .cache import OscarCacheBase
+
     if isinstance(cache, OscarCacheBase):
         total = cache.memory_report()["total"]
         return total["total_bytes"], total["bits_per_element"]
@@ -60,28 +56,42 @@ def kv_bytes_and_bits(cache) -> tuple[int, float]:
     return nbytes, 8 * nbytes / sum(t.numel() for t in tensors)
 
 
-class TokenProgress(BaseStreamer):
-    """Advances a tqdm bar by one per generated token (``generate`` first puts the prompt, which is skipped)."""
+def token_progress(bar):
+    """A streamer that advances a tqdm bar by one per generated token (``generate`` first puts the prompt, which is
+    skipped)."""
+    from transformers.generation.streamers import BaseStreamer
 
-    def __init__(self, bar: tqdm):
-        self.bar, self.seen_prompt = bar, False
+    class TokenProgress(BaseStreamer):
+        def __init__(self):
+            self.seen_prompt = False
 
-    def put(self, value):
-        if self.seen_prompt:
-            self.bar.update(1)
-        self.seen_prompt = True
+        def put(self, value):
+            if self.seen_prompt:
+                bar.update(1)
+            self.seen_prompt = True
 
-    def end(self):
-        pass
+        def end(self):
+            pass
+
+    return TokenProgress()
 
 
-def run(model, tokenizer, input_ids: torch.Tensor, name: str, cache, max_new_tokens: int) -> dict:
+def cache_argument(model) -> str:
+    """generate's name for the cache: transformers >= 5.24 take ``cache=`` (and warn about the old name), earlier
+    5.x only ``past_key_values=``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def run(model, tokenizer, input_ids, name: str, cache, max_new_tokens: int) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
     with tqdm(total=max_new_tokens, desc=f"{name:<17}", unit="tok", leave=True, file=sys.stderr) as bar:
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **{cache_argument(model): cache},
                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, streamer=TokenProgress(bar))
+                                 pad_token_id=tokenizer.pad_token_id, streamer=token_progress(bar))
         seconds = time.perf_counter() - start
     new = out[0, input_ids.shape[1]:]
     nbytes, bits = kv_bytes_and_bits(cache)
@@ -102,12 +112,12 @@ def print_table(rows: list[dict], cached_tokens: int) -> None:
         print(f"\n--- {row['name']} ---\n{row['text'].strip()}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate per cache (default 48)")
     parser.add_argument("--context-tokens", type=int, default=1500,
                         help="prompt length from Emma (default 1500; above the windows, so most of it is 2-bit)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="model and full-precision cache dtype (default: bfloat16 on GPU, float32 on CPU, where "
                              "bfloat16 matmuls are slow without AVX512-BF16)")
     parser.add_argument("--attn-implementation", default=ATTN_IMPLEMENTATION,
@@ -116,10 +126,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.context_tokens < 16:
         parser.error("--max-new-tokens must be >= 1 and --context-tokens >= 16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    from transformers import DynamicCache
+
+    from .cache import OscarScaledCache
+    from .models import load_smollm2
 
     print("Loading SmolLM2-135M-Instruct (the first run converts the bundled GGUF to safetensors, ~40 s) ...",
           file=sys.stderr)
-    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model, tokenizer = load_smollm2(dtype=dtype, attn_implementation=args.attn_implementation)
     if torch.cuda.is_available():
         model.to("cuda")

@@ -32,6 +32,14 @@ from .layers import OscarLayer
 from .model_config import model_shape
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe
 
+
+def cache_kwarg(model, cache) -> dict:
+    """The cache as the model's forward names it: ``cache=`` from transformers 5.24 (which warns about the old
+    name), ``past_key_values=`` before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
 EVAL_TEXT = "emma.txt"  # never the calibration text (prideprejudice.txt)
 HAYSTACK_TEXT = "sensesensibility.txt"
 CALIBRATION_TEXT = "prideprejudice.txt"
@@ -253,7 +261,7 @@ def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = No
     kv, logits = None, []
     for start in range(0, ids.shape[0], batch_size):
         cache = DynamicCache(config=model.config)
-        out = model(ids[start:start + batch_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(ids[start:start + batch_size], **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1)
         logits.append(out.logits[:, -1].float())
         layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
         kv = layer_kv if kv is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
@@ -349,7 +357,7 @@ def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod],
     steps = range(prefill, window, chunk)
     for start in tqdm(steps, desc=f"perplexity ({len(methods)} methods x {n_win} windows)", disable=not progress):
         stop = min(start + chunk, window)
-        logits = model(ids[:, start:stop], past_key_values=cache, use_cache=True).logits
+        logits = model(ids[:, start:stop], **cache_kwarg(model, cache), use_cache=True).logits
         targets = ids[:, start + 1:stop + 1]  # the last window token predicts nothing we can score
         nll += _token_nll(logits[:, :targets.shape[1]], targets).sum(-1)
         counts += targets.shape[1]
@@ -389,7 +397,7 @@ def greedy_continuations(model, prompts: torch.Tensor, methods: list[CacheMethod
     token = first_logits.argmax(-1).repeat(len(methods))[:, None]
     out = [token]
     for _ in tqdm(range(new_tokens - 1), desc=desc, disable=not progress):
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        token = model(token, **cache_kwarg(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         out.append(token)
     tokens = torch.cat(out, dim=1)
     return {m.key: tokens[i * n:(i + 1) * n] for i, m in enumerate(methods)}

@@ -212,7 +212,11 @@ def export_decoder(model, cache=None, *, max_cache_len: int, batch_size: int = 1
                    module: OscarExportableModule | None = None) -> torch.export.ExportedProgram:
     """``torch.export`` the 1-token decode step of ``model`` with a static Oscar cache (see
     :class:`OscarExportableModule` for the arguments; ``module``: export an existing one instead). The program
-    takes ``input_ids [B, 1]`` and ``cache_position [1]`` and mutates its cache buffers in place."""
+    takes ``input_ids [B, 1]`` and ``cache_position [1]`` and mutates its cache buffers in place.
+
+    Takes minutes on a real model, and longer with a larger ``max_cache_len`` (every buffer and the attention over
+    the body are sized by it): SmolLM2-135M with ``max_cache_len=448`` took 43-56 s on one idle CPU thread, with
+    1024 on a loaded 2-core machine about an hour. Start small; on a shared machine use one thread."""
     module = module or OscarExportableModule(model, cache, max_cache_len=max_cache_len, batch_size=batch_size,
                                              device=device, attention_block=attention_block)
     ids, pos = _example_inputs(module)
@@ -292,11 +296,12 @@ def export_onnx(model, path, cache=None, *, max_cache_len: int, batch_size: int 
                 attention_block: int = BODY_BLOCK_TOKENS, opset_version: int | None = None,
                 optimize: bool = False) -> OnnxDecoderSpec:
     """Write the decode step as an ONNX graph (``torch.onnx.export(..., dynamo=True)``, pip install
-    ``hf-kvint2[export]``). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state
+    ``.[export]`` in a clone). Inputs: ``input_ids [B, 1]`` int64, ``cache_position [1]`` int64, then the state
     ``layers.<i>.<name>``; outputs: ``logits [B, 1, vocab]`` and ``present.layers.<i>.<name>`` (the new state,
     same shapes). A sequence starts from zero state at position 0. ``optimize=True`` runs onnxscript's graph
     optimizer: off by default, as it spent over 50 minutes on 30-layer SmolLM2 on a 2-core CPU, and ONNX Runtime
-    applies its own graph optimizations when it loads the unoptimized graph."""
+    applies its own graph optimizations when it loads the unoptimized graph. Takes minutes: 150-181 s for
+    SmolLM2-135M with ``max_cache_len=448`` on one idle CPU thread, more with a larger ``max_cache_len``."""
     module = OscarOnnxDecoder(model, cache, max_cache_len=max_cache_len, batch_size=batch_size, device="cpu",
                               attention_block=attention_block)
     ids, pos = _example_inputs(module)

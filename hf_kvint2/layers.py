@@ -16,6 +16,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .distributed import TensorParallelShard
+from .key_basis import settled_key_codec
+from .padding import left_padding, position_ids_of_update
 from .quant import to_model_dtype, tracing
 from .recipes import LayerRecipe
 from .steps import LayerStep
@@ -23,6 +25,9 @@ from .stream import QuantizedStream, StreamCodec
 from .transforms import block_hadamard_matrix, check_orthogonal, is_power_of_two, largest_pow2_divisor
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Tokens quantized per step when many leave the recent window at once (a long prefill): the float32 temporaries of
+# the transform scale with this, not with the prompt. A multiple of every demotion block in use (powers of two).
+QUANTIZE_BLOCK_TOKENS = 4096
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
 
 
@@ -81,6 +86,7 @@ class OscarLayer(CacheLayerMixin):
     def __init__(self, recipe: LayerRecipe, layer_idx: int | None = None, shard: TensorParallelShard | None = None):
         super().__init__()
         self.recipe = recipe
+        self._unsettled_recipe: LayerRecipe | None = None  # the recipe before the key layout was settled
         self.layer_idx = layer_idx
         self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.steps)
         self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
@@ -99,6 +105,9 @@ class OscarLayer(CacheLayerMixin):
         self.value_body: QuantizedStream | None = None
         self.body_len = 0
         self.seq_len = 0
+        self.key_basis_open = False  # uncalibrated keys: the first demotion settles their basis (hf_kvint2.key_basis)
+        self.key_range_spread: float | None = None  # what settled it (key_basis.range_spread), for reports
+        self.left_padding = 0  # tokens the sink holds on top of recipe.sink_tokens (hf_kvint2.padding)
 
     @property
     def _name(self) -> str:
@@ -137,6 +146,7 @@ class OscarLayer(CacheLayerMixin):
                                  f"use a group size dividing {d}.")
             streams.append(QuantizedStream(StreamCodec(layout, group, rot, mean, r.scale_dtype, self.shard)))
         self.key_body, self.value_body = streams
+        self.key_basis_open = r.key_rotation is None
         empty = key_states.new_empty(b, h, 0, d)
         self.sink_k, self.sink_v, self.recent_k, self.recent_v = empty, empty.clone(), empty.clone(), empty.clone()
         self.is_initialized = True
@@ -144,10 +154,13 @@ class OscarLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         validate_kv(self, key_states, value_states, fix=RESET_FIX)
+        n_new = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n_new = key_states.shape[-2]
-        to_sink = min(max(self.recipe.sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
+        if self.seq_len == 0:  # a first chunk: learn the batch's left padding from its position ids
+            self.left_padding = left_padding(position_ids_of_update(args, kwargs), n_new)
+        sink_tokens = self.recipe.sink_tokens + self.left_padding
+        to_sink = min(max(sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
             self.recent_k.shape[-2] == 0 else 0
         before = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
         if to_sink:
@@ -170,16 +183,38 @@ class OscarLayer(CacheLayerMixin):
 
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
+        if self.key_basis_open and self.recipe.key.axis == "token" and overflow > 0 and not tracing():
+            self._settle_keys(self.recent_k[:, :, :overflow])  # may switch to per-channel groups: a new block
         block = self.recipe.demotion_block
         n = (overflow // block) * block if overflow > 0 else 0
         if n <= 0:
             return
-        self.key_body.append(self.recent_k[:, :, :n])
-        self.value_body.append(self.recent_v[:, :, :n])
+        if self.key_basis_open and not tracing():  # settled once, by the first demotion (the eager prefill)
+            if self.recipe.key.axis == "channel":
+                self._settle_keys(self.recent_k[:, :, :n])
+            self.key_basis_open = False
+        step = max(block, QUANTIZE_BLOCK_TOKENS // block * block)  # whole demotion blocks: same groups, same codes
+        for start in range(0, n, step):
+            self.key_body.append(self.recent_k[:, :, start:min(start + step, n)])
+            self.value_body.append(self.recent_v[:, :, start:min(start + step, n)])
         # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()
         self.body_len += n
+
+    def _settle_keys(self, keys: torch.Tensor) -> None:
+        """Uncalibrated keys, before the first demotion: the key codec of this layer from ``keys``
+        (:func:`~hf_kvint2.key_basis.settled_key_codec`). Per-token keys are decided on all the tokens leaving the
+        recent window, before the demotion block is known (a switch to per-channel groups changes it); per-channel
+        keys on the tokens of the first demotion."""
+        codec, self.key_range_spread = settled_key_codec(self.key_body.codec, keys)
+        if codec is self.key_body.codec:
+            return
+        self.key_body = QuantizedStream(codec)
+        if codec.layout != self.recipe.key:  # per-token -> per-channel groups: the demotion block follows
+            self.key_basis_open = False
+            self._unsettled_recipe = self.recipe
+            self.recipe = self.recipe.with_overrides(key=codec.layout, key_rotation=codec.rotation)
 
     def dequantized_body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The body's K/V in the original space and the model dtype, [B, H, body_len, D]."""
@@ -199,6 +234,8 @@ class OscarLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self._unsettled_recipe is not None:  # a key layout settled from the data is settled again
+            self.recipe, self._unsettled_recipe = self._unsettled_recipe, None
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -115,6 +115,8 @@ class StaticOscarLayer(CacheLayerMixin):
         proto = OscarLayer(self.recipe, self.layer_idx)
         proto.lazy_initialization(key_states, value_states)
         self.key_codec, self.value_codec = proto.key_body.codec, proto.value_body.codec
+        # The codecs as given: fixed shapes and traced steps that quantize incomplete candidate blocks keep the
+        # Hadamard / per-token keys (only the dynamic layer settles an uncalibrated key basis, key_basis.py).
         b, h, _, d = key_states.shape
         self.batch_size, self.num_heads, self.head_dim = b, h, d
         self.dtype, self.device = key_states.dtype, key_states.device

@@ -1,6 +1,6 @@
 """Triton kernels for hf_kvint2 (installed as ``hf_kvint2.kernels``), with their PyTorch references.
 
-Two kernels, both optional (``pip install hf-kvint2[triton]``) and used for CUDA tensors only:
+Two kernels, both optional (``pip install '.[triton]'`` in a clone) and used for CUDA tensors only:
 
 * :func:`quantize_tokens` - fused centre -> rotate -> omni-token norm -> row clip -> INT2 quantize -> pack of new
   tokens, producing exactly what :meth:`hf_kvint2.layers.QuantizedStream.append` stores (``QuantizedGroups`` in
@@ -75,7 +75,7 @@ def kernels_enabled_for(t: torch.Tensor) -> bool:
 
 def _require_triton():
     if not triton_available():
-        raise ImportError("The hf_kvint2 Triton kernels need Triton: pip install 'hf-kvint2[triton]' (or 'triton>=3.2').")
+        raise ImportError("The hf_kvint2 Triton kernels need Triton: pip install 'triton>=3.2' (the clone's '.[triton]' extra).")
 
 
 def quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype):

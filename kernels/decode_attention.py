@@ -11,6 +11,8 @@ online softmax. Each byte holds channels ``4j .. 4j+3``; the kernel keeps four c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -110,7 +112,9 @@ def _value_sums(p, vb, sub: tl.constexpr, vs_ptr, vl_ptr, vst, vn_ptr, tok, tok_
                                        HAS_NORM), DOT_DTYPE)
 
 
-@triton.jit
+# Integer arguments that vary from step to step (n_tokens) or with the model/batch (Lq, n_rep, num_splits) are not
+# specialised on "== 1" / "% 16": each value class would be another JIT compile (seconds, on a GPU mid-decode).
+@triton.jit(do_not_specialize=["Lq", "n_rep", "n_tokens", "num_splits"])
 def _body_attention_kernel(
     q_ptr, sqb, sqh, sql, qmu_ptr,
     kc_ptr, kcb, kch, kct, ks_ptr, kl_ptr, ksb, ksh, kst, kn_ptr, knb,
@@ -210,7 +214,7 @@ def _body_attention_kernel(
     tl.store(out_rows + 3, acc3 * inv[:, None], mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, merged_lse_ptr, num_splits,
                          D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query row: combine its splits' (out, lse) by log-sum-exp, CHUNK_S splits at a time."""
@@ -239,6 +243,25 @@ def _body_tensors(body):
     def unit(t):
         return t if t is None or t.stride(-1) == 1 else t.contiguous()
     return unit(body.codes), unit(body.scale), unit(body.lo), unit(body.norm)
+
+
+def _num_warps(head_dim: int, key_body) -> int:
+    """Warps per program. OScaR's per-channel keys (groups shorter than the head) at head_dim <= 64 take 8: compiled
+    for sm_90 with 4 they spilled (128 registers, 16 B of stack), with 8 they fit in 135. Not the other layouts:
+    with 8 warps the per-token and calibration's per-channel layouts spilled 16-32 B on sm_90, with 4 they do not.
+    Per-token keys with token norms at head_dim 128 (bf16, centred) sat at 128 registers with 4 warps and spilled
+    4 B on sm_90 in one build; with 8 they take 127 and do not (benchmarks/triton_aot.py,
+    benchmarks/results/triton_aot.json)."""
+    small_channel_groups = key_body.layout.axis == "channel" and key_body.group < head_dim
+    token_norm_per_token = key_body.layout.axis == "token" and key_body.layout.token_scaling
+    if (head_dim <= 64 and small_channel_groups) or (head_dim == 128 and token_norm_per_token):
+        return max(8, TUNING["num_warps"])
+    return TUNING["num_warps"]
+
+
+def _interpreting() -> bool:
+    """Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, the CPU test setting)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _sm_count(device) -> int:
@@ -293,7 +316,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
 
     k_lay, v_lay = key_body.layout, value_body.layout
     dot_dtype = _TL_DOT_DTYPE[q_rot.dtype if dot_dtype is None else dot_dtype]
-    if dot_dtype == tl.bfloat16 and not q.is_cuda:  # the interpreter keeps bf16 as raw uint16: its dots are wrong
+    if dot_dtype == tl.bfloat16 and _interpreting():  # the interpreter keeps bf16 as raw uint16: its dots are wrong
         dot_dtype = tl.float32
     dummy = q
     _body_attention_kernel[(b * hkv, row_blocks, num_splits)](
@@ -309,7 +332,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
         K_CHANNEL=k_lay.axis == "channel", K_GROUP=key_body.group, K_NORM=kn is not None,
         V_CHANNEL=v_lay.axis == "channel", V_GROUP=value_body.group, V_NORM=vn is not None,
         HAS_QMU=qmu is not None, MASK_KIND=mask_kind, DOT_DTYPE=dot_dtype,
-        num_warps=TUNING["num_warps"],
+        num_warps=_num_warps(d, key_body),
     )
     if num_splits > 1:
         _merge_splits_kernel[(b * hq * lq,)](part, part_lse, out, lse, num_splits, D=d,

@@ -76,7 +76,9 @@ def _round_half_even(y):
     return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
 
 
-@triton.jit
+# n_tokens is 1 for a decode step's demotion and larger for a prefill (and so are the batch/head strides), H is 1 for
+# some models: not specialised on "== 1" / "% 16" (each would be another JIT compile; the kernel gains nothing).
+@triton.jit(do_not_specialize=["sxb", "sxh", "scb", "sch", "ssb", "ssh", "snb", "H", "n_tokens"])
 def _quantize_pack_kernel(
     x_ptr, sxb, sxh, sxt,
     mean_ptr, rot_ptr,
@@ -208,8 +210,14 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
     clip_on = clip is not None and clip < 1.0
     pos = clip * (d - 1) if clip_on else 0.0
     i0 = math.floor(pos)
+    launch = {}
     if axis == "channel":
         block_t, tiles = max(16, triton.next_power_of_2(group_size)), n // group_size
+        # A tile is a whole token group: [128, head_dim] fp32 for calibrated per-channel layouts. Compiled for
+        # sm_80/sm_90 (benchmarks/triton_aot.py) with 4 warps and 3 stages it needed 210 KiB of shared memory at
+        # head_dim 128 (over an A100's 163 KiB, so it could not launch) and more at 256: no pipelining over heads,
+        # and one warp per 2048 tile elements (up to 16).
+        launch = {"num_stages": 1, "num_warps": max(4, min(16, block_t * block_d // 2048))}
     else:
         block_t = 16
         tiles = triton.cdiv(n, block_t)
@@ -223,6 +231,7 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
         D=d, BLOCK_D=block_d, BLOCK_T=block_t, CHUNK=min(32, block_d),
         AXIS_CHANNEL=axis == "channel", GROUP=group_size, HAS_MEAN=mean is not None, TOKEN_SCALING=token_scaling,
         CLIP=clip_on, CLIP_I0=i0, CLIP_I1=min(i0 + 1, d - 1), SCALE_DTYPE=_TL_DTYPE[scale_dtype],
+        **launch,
     )
     if scale_dtype is torch.float16 and not (torch.isfinite(scale).all() and torch.isfinite(lo).all()):
         raise ValueError("Transformed K/V values do not fit fp16 scales; pass scale_dtype=torch.bfloat16 or "

@@ -84,14 +84,16 @@ def test_tp_quantized_matches_single_process(runs, model, kind):
     assert ref[f"{tag}.logits"].shape[0] == dist_worker.PROMPT_TOKENS + dist_worker.STEPS
     assert_ranks_match(runs, f"{tag}.logits", 1e-3)  # teacher-forced
     for rank, (tensors, _) in enumerate(ranks):
-        # Each rank stores exactly its heads of the single-process body (codes may flip only where the last bits
-        # of the hidden states move a value across a rounding boundary).
+        # Each rank stores its heads of the single-process body; codes may flip only where the last bits of the
+        # hidden states (the all-reduce sums in another order) move a value across a rounding boundary. How many
+        # depends on the versions' kernels: 0.16% of layer 1's values with transformers 5.24 / torch 2.13 (under
+        # 0.1% before), so the bound is 0.5%; the teacher-forced logits above are the end-to-end check.
         for name in [k for k in ref if k.startswith(f"{tag}.body_")]:
             whole, shard = ref[name], tensors[name]
             heads = whole.shape[1] // WORLD
             assert shard.shape[1] == heads and shard.shape[2] == whole.shape[2] > 0, name
             moved = ((shard - whole[:, rank * heads:(rank + 1) * heads]).abs() > 1e-3).float().mean().item()
-            assert moved < 1e-3, f"{name}: {moved:.2%} of rank {rank}'s body differs from the single process"
+            assert moved < 5e-3, f"{name}: {moved:.2%} of rank {rank}'s body differs from the single process"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import network
 from . import safety
 from .artifact import (
     CONFIG_NAME,
@@ -61,12 +62,22 @@ def resolve_file(repo_or_path, filename: str, *, subfolder=None, revision=None, 
     from huggingface_hub import hf_hub_download
 
     entry_missing, http_error, invalid, not_cached = _hub_errors()
+    offline = local_files_only or network.hub_offline()
+    unreachable = not offline and not network.hub_reachable()  # then only the local cache is looked at, without retries
     try:
         path = Path(hf_hub_download(name, filename, subfolder=subfolder, revision=revision, cache_dir=cache_dir,
-                                    token=token, local_files_only=local_files_only))
+                                    token=token, local_files_only=offline or unreachable))
     except not_cached as e:  # before entry_missing: it subclasses it
-        raise OSError(f"{filename} of {name} is not in the local Hub cache and downloading is disabled (offline "
-                      f"mode or local_files_only=True). Download it once online, or pass a local folder. ({e})") from e
+        if unreachable:
+            raise OSError(f"{name}: the Hugging Face Hub ({network.hub_endpoint()}) cannot be reached from here (no network?) "
+                          f"and {filename} is not in the local Hub cache. Pass a local artifact folder, download the "
+                          "repo where there is network (`hf download REPO`) and copy the cache or the folder here, "
+                          "or set HF_HUB_OFFLINE=1 to look only at the local cache.") from None
+        if offline:
+            raise OSError(f"{filename} of {name} is not in the local Hub cache, and the Hub is not asked "
+                          f"({'local_files_only=True' if local_files_only else 'HF_HUB_OFFLINE is set'}). Download "
+                          "it once with network access, or pass a local folder.") from e
+        raise OSError(f"{filename} of {name} could not be downloaded and is not in the local Hub cache: {e}") from e
     except entry_missing:
         raise OSError(f"{name} (revision {revision or 'main'}{f', subfolder {subfolder}' if subfolder else ''}) has "
                       f"no {filename}: is it an hf_kvint2 calibration artifact?") from None
