@@ -12,6 +12,10 @@ Triton must be imported without ``TRITON_INTERPRET=1`` (interpreted kernels cann
 benchmark run this module in a subprocess (``python -m hf_kvint2.kernels.aot``, see :func:`main`).
 Works with Triton 3.2 (``ASTSource(fn, signature, constants, AttrsDescriptor)``) and 3.3+ (signature entries
 ``"constexpr"``, ``attrs`` keyed by argument index).
+
+Over 400 lines because configurations, launch capture, specialisation, compilation and the resource report are
+one pipeline that only benchmarks/triton_aot.py and its test use; split, each part would be imported only by the
+next.
 """
 
 from __future__ import annotations
