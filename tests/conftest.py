@@ -69,3 +69,12 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def module_single_thread():
+    """:func:`single_thread` for every test of a module (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -27,12 +27,8 @@ from hf_kvint2.transforms import check_orthogonal
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: thread start-up dominates, and on a loaded 2-core machine extra threads make it 50x slower.
+pytestmark = pytest.mark.usefixtures("module_single_thread")
 
 
 def tiny_config(head_dim=HEAD_DIM):

@@ -41,13 +41,8 @@ def make_tiny_llama(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, name="t
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: thread start-up dominates, and on a loaded 2-core machine extra threads make it 50x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: thread start-up dominates, and on a loaded 2-core machine extra threads make it 50x slower.
+pytestmark = pytest.mark.usefixtures("module_single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,12 +27,8 @@ EXPONENTS = {torch.float32: (-30, 30), torch.float16: (-4, 4.5), torch.bfloat16:
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: thread start-up dominates, and on a loaded 2-core machine extra threads make it 50x slower.
+pytestmark = pytest.mark.usefixtures("module_single_thread")
 
 
 @st.composite
