@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import re
 import subprocess
 import tempfile
@@ -47,10 +46,6 @@ TARGETS = {
          "smem_block": 232448},
 }
 _REG_UNIT, _SMEM_RESERVED = 256, 1024
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ------------------------------------------------------------------------------------------------ configurations
@@ -234,7 +229,7 @@ def specialise(launch: Launch) -> Specialisation:
     """The JIT's specialisation of a recorded launch (``triton.runtime.jit``: tensors -> typed pointers, aligned
     when their address is a multiple of 16 - always, for CUDA allocations and meta tensors; ints equal to 1 ->
     constants; other ints -> i32/i64, divisible when a multiple of 16; floats -> fp32)."""
-    if _interpreting():
+    if decode_attention._interpreting():
         raise RuntimeError("Ahead-of-time compilation needs Triton imported without TRITON_INTERPRET=1.")
     types, constants, divisible = [], [], []
     for i, (name, value) in enumerate(launch.args.items()):
