@@ -122,7 +122,11 @@ class OscarCacheBase(Cache):
 
     def memory_report(self, global_view: bool = False) -> dict:
         """Bytes held per layer, per device and in total (codes, scales, norms, full-precision windows), with
-        bits/element.
+        bits/element. Each layer row names its ``storage``: ``"quantized"`` (an :class:`OscarLayer`: sink, INT2 body,
+        recent window) or ``"windowed"`` (a sliding-window layer: the last ``window - 1`` tokens in full precision;
+        its ``elements`` are those tokens'); ``by_storage`` sums the rows of each (``by_storage["quantized"]
+        ["bits_per_element"]``: the quantized layers alone). ``allocated`` adds what the storage behind the tensors
+        holds (buffer capacity).
 
         Under tensor parallelism the report covers this rank's KV heads; ``global_view=True`` sums the counts over
         the tensor-parallel group (a collective: call it on every rank) so that it describes the whole model as one
@@ -153,10 +157,12 @@ class OscarCacheBase(Cache):
                 row.update(zip(self._BYTE_KINDS, summed))
                 row["norms"] //= self.shard.world_size  # replicated, not sharded
         total = {k: sum(row[k] for row in per_layer) for k in self._BYTE_KINDS}
-        for row in per_layer + [total]:
+        by_storage = {kind: {k: sum(row[k] for row in per_layer if row["storage"] == kind) for k in self._BYTE_KINDS}
+                      for kind in ("quantized", "windowed")}
+        for row in per_layer + [total, *by_storage.values()]:
             row["total_bytes"] = row["codes"] + row["scales"] + row["norms"] + row["full_precision"]
             row["bits_per_element"] = 8 * row["total_bytes"] / row["elements"] if row["elements"] else 0.0
-        report = {"layers": per_layer, "by_device": by_device, "total": total}
+        report = {"layers": per_layer, "by_device": by_device, "total": total, "by_storage": by_storage}
         if self.shard is not None:
             report["tensor_parallel"] = {"rank": self.shard.rank, "world_size": self.shard.world_size,
                                          "kv_heads": self.shard.global_kv_heads if global_view

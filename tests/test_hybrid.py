@@ -136,6 +136,9 @@ def test_windows_hold_the_window_in_full_precision(model, attn):
         else:
             assert row["storage"] == "quantized" and row["codes"] > 0 and row["bits_per_element"] < 8
     assert report["total"]["total_bytes"] == sum(row["total_bytes"] for row in report["layers"])
+    quantized, windowed = report["by_storage"]["quantized"], report["by_storage"]["windowed"]
+    assert windowed["bits_per_element"] == 32.0 and quantized["bits_per_element"] < 8
+    assert quantized["total_bytes"] + windowed["total_bytes"] == report["total"]["total_bytes"]
 
 
 # ---------------------------------------------------------------------------------------------- generation modes
