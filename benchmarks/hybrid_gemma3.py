@@ -10,7 +10,8 @@ cache contract, and torch.export of the decode step with the static cache (issue
   last prefill chunk at the next update). Bytes are what the caches hold: ``memory_report()`` (codes, scales,
   norms, full-precision windows) for ours, the K/V tensors for DynamicCache; ``allocated`` adds the storage behind
   them (buffer capacity, views). In float32 (the bundled model's dtype) and bfloat16. Also measured: what the
-  sliding layers would hold if their windows were quantized (an OscarLayer holding ``window - 1`` tokens).
+  sliding layers would hold if their windows were quantized (an OscarLayer holding ``window - 1`` tokens), and the
+  storage allocated right after a single 32k-token prefill chunk (float32), before the first decode step.
   The INT2 sizes do not depend on the values (random data keeps the Hadamard / per-token key layout; Gemma's own
   full-attention keys switch to per-channel groups, which hold the same bytes per token at head_dim 256).
 * **generate**: a ~600-token prompt from Emma (longer than the window), 12 new tokens, each mode (greedy, sampling,
@@ -43,7 +44,7 @@ MODES = {  # the generation modes of tests/test_cache_contract.py
 OFF = 1 << 20  # recent_tokens beyond any sequence here: quantization off
 
 
-def _fill(cache, shape, context, dtype, chunk=2048, seed=0):
+def _fill(cache, shape, context, dtype, chunk=2048, seed=0, decode=True):
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -54,7 +55,7 @@ def _fill(cache, shape, context, dtype, chunk=2048, seed=0):
             k = torch.randn(1, shape.num_key_value_heads, n, shape.head_dim, generator=g).to(dtype)
             cache.update(k, torch.randn(k.shape, generator=g).to(dtype), idx)
         pos += n
-    for idx in range(shape.num_layers):
+    for idx in range(shape.num_layers if decode else 0):
         k = torch.randn(1, shape.num_key_value_heads, 1, shape.head_dim, generator=g).to(dtype)
         cache.update(k, torch.randn(k.shape, generator=g).to(dtype), idx)
 
@@ -114,6 +115,31 @@ def memory(config, context: int) -> list[dict]:
                 row["ratio_to_dynamic_if_sliding_quantized"] = row["total_bytes_if_sliding_quantized"] / base["total_bytes"]
             rows.append(row)
             del cache
+    return rows
+
+
+def after_prefill(config, context: int) -> list[dict]:
+    """Storage held right after one ``context - 1``-token prefill chunk, before any decode step (float32): a
+    sliding layer of transformers keeps its window as a view into the whole chunk until its next update."""
+    import torch
+    from transformers import DynamicCache
+
+    from hf_kvint2 import OscarCache, OscarScaledCache
+    from hf_kvint2.model_config import model_shape
+    from hf_kvint2.window_layer import window_memory_bytes
+
+    shape = model_shape(config)
+    rows = []
+    for name, make in (("DynamicCache", lambda: DynamicCache(config=config)),
+                       ("OscarScaledCache", lambda: OscarScaledCache(config=config)),
+                       ("OscarCache", lambda: OscarCache(config=config))):
+        cache = make()
+        _fill(cache, shape, context, torch.float32, chunk=context, decode=False)
+        per_layer = ([window_memory_bytes(layer) for layer in cache.layers] if name == "DynamicCache"
+                     else cache.memory_report()["layers"])
+        rows.append({"cache": name, "dtype": "float32", "tokens": cache.get_seq_length(),
+                     "allocated_bytes": sum(r["allocated"] for r in per_layer)})
+        del cache
     return rows
 
 
@@ -287,6 +313,9 @@ def main():
         for r in result["memory"]:
             print(f"{r['cache']:>17} {r['dtype']:>9}: {r['total_bytes'] / 2**20:8.2f} MiB "
                   f"({100 * r['ratio_to_dynamic']:.1f}% of DynamicCache)")
+        result["memory_after_one_chunk_prefill"] = after_prefill(model.config, args.context)
+        for r in result["memory_after_one_chunk_prefill"]:
+            print(f"after a one-chunk prefill, {r['cache']:>17}: {r['allocated_bytes'] / 2**20:8.2f} MiB allocated")
         plot(result["memory"], path.with_suffix(".png"))
         print("wrote", path.with_suffix(".png"))
     if "generate" in parts:
