@@ -2,7 +2,7 @@
 bytes held at 32k against DynamicCache, generation with quantization off against DynamicCache in every mode of the
 cache contract, and torch.export of the decode step with the static cache (issue 15, "Hybrid").
 
-    python benchmarks/hybrid_gemma3.py [--parts memory,generate,export] [--context 32768] [--threads 1]
+    python benchmarks/hybrid_gemma3.py [--parts memory,generate,export,window_quality] [--context 32768] [--threads 1]
 
 * **memory**: every cache built with ``config=`` is filled through ``update()`` with random K/V of each layer's
   shape ([1, 1 KV head, tokens, 256]) instead of a 32k-token forward: a prefill of ``context - 1`` tokens in chunks
@@ -22,6 +22,11 @@ cache contract, and torch.export of the decode step with the static cache (issue
   of ``--export-prompt`` tokens prefilled eagerly, ``--export-steps`` decode steps; the exported program against the
   eager static cache at every step (from the eager state, "synced", and running freely, "free"); the eager static
   cache with quantization off against DynamicCache.
+* **window_quality**: what quantizing the sliding windows would cost: chunked teacher-forced perplexity on Emma
+  (``--quality-windows`` windows of 2048 tokens, prefill 512, chunks of 32) of each cache with its windows in full
+  precision (``config=``) and with them quantized (the same cache without ``config=`` under SDPA quantizes every
+  layer; a sliding layer's mask then shows it exactly an INT2 window with the cache's recent tokens at full
+  precision).
 
 Writes ``benchmarks/results/hybrid_gemma3.json`` (and ``hybrid_gemma3.png``: bytes at 32k by cache and layer kind).
 """
@@ -256,6 +261,53 @@ def export(model, tokenizer, prompt_tokens: int, steps: int) -> dict:
     return out
 
 
+def window_quality(model, tokenizer, num_windows: int, window: int = 2048, prefill: int = 512,
+                   chunk: int = 32) -> list[dict]:
+    """Perplexity cost of quantizing the sliding windows: each cache built with ``config=`` (windows in full
+    precision) against the same cache built without it under SDPA, which quantizes every layer's whole history;
+    the sliding mask hides a sliding layer's tokens older than the window, so what those layers attend to is then
+    exactly a quantized window (INT2 body + the cache's recent tokens at full precision)."""
+    import math
+    import warnings
+
+    import torch
+    from tqdm import tqdm
+    from transformers import DynamicCache
+
+    from hf_kvint2 import OscarCache, OscarScaledCache
+    from hf_kvint2.evaluation import EVAL_TEXT, encode, eval_windows, load_text
+
+    model.set_attn_implementation("sdpa")
+    windows = eval_windows(encode(tokenizer, load_text(EVAL_TEXT)), num_windows, window)
+    methods = {"DynamicCache": lambda: DynamicCache(config=model.config),
+               "OscarScaledCache, windows full precision": lambda: OscarScaledCache(config=model.config),
+               "OscarScaledCache, windows quantized": lambda: OscarScaledCache(),
+               "OscarCache, windows full precision": lambda: OscarCache(config=model.config),
+               "OscarCache, windows quantized": lambda: OscarCache()}
+    rows = []
+    for name, make in tqdm(methods.items(), desc=f"perplexity, {num_windows} x {window} tokens"):
+        nll, count = 0.0, 0
+        for ids in windows:
+            ids = ids[None]
+            cache = make()
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                last = model(ids[:, :prefill], past_key_values=cache, logits_to_keep=1).logits[0, -1:]
+                logp = [torch.log_softmax(last.float(), -1)]
+                for start in range(prefill, window, chunk):
+                    out = model(ids[:, start:start + chunk], past_key_values=cache).logits[0]
+                    logp.append(torch.log_softmax(out.float(), -1))
+            logp = torch.cat(logp)[:-1]
+            nll -= logp.gather(-1, ids[0, prefill:, None]).sum().item()
+            count += window - prefill
+        rows.append({"cache": name, "windows": num_windows, "window": window, "prefill": prefill, "chunk": chunk,
+                     "perplexity": math.exp(nll / count)})
+    base = rows[0]["perplexity"]
+    for row in rows:
+        row["vs_full_precision"] = row["perplexity"] / base - 1
+    return rows
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -281,11 +333,12 @@ def plot(rows, path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="memory,generate,export")
+    p.add_argument("--parts", default="memory,generate,export,window_quality")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--prompt-tokens", type=int, default=600)
     p.add_argument("--export-prompt", type=int, default=560)
     p.add_argument("--export-steps", type=int, default=16)
+    p.add_argument("--quality-windows", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(OUT / "hybrid_gemma3.json"))
     args = p.parse_args()
@@ -305,7 +358,7 @@ def main():
                              "machine": platform.machine()}
     command = (f"python benchmarks/hybrid_gemma3.py --parts {args.parts} --context {args.context} --prompt-tokens "
                f"{args.prompt_tokens} --export-prompt {args.export_prompt} --export-steps {args.export_steps} "
-               f"--threads {args.threads}")
+               f"--quality-windows {args.quality_windows} --threads {args.threads}")
     result.setdefault("commands", {}).update({part: command for part in parts})
     model, tokenizer = load_gemma3(torch.float32, attn_implementation="sdpa")
     if "memory" in parts:
@@ -322,6 +375,10 @@ def main():
         result["generate"] = generate_modes(model, tokenizer, args.prompt_tokens)
         bad = [r for r in result["generate"] if not r["same_tokens"]]
         print(f"generate: {len(result['generate']) - len(bad)}/{len(result['generate'])} runs give DynamicCache's tokens")
+    if "window_quality" in parts:
+        result["window_quality"] = window_quality(model, tokenizer, args.quality_windows)
+        for r in result["window_quality"]:
+            print(f"{r['cache']:>42}: perplexity {r['perplexity']:.3f} ({100 * r['vs_full_precision']:+.2f}%)")
     if "export" in parts:
         result["export"] = export(model, tokenizer, args.export_prompt, args.export_steps)
         print({k: v for k, v in result["export"].items() if k != "layers"})
