@@ -1,6 +1,6 @@
 """Hybrid models on the bundled Gemma 3 270M (15 sliding-window layers of window 512, 3 full-attention layers):
 bytes held at 32k against DynamicCache, generation with quantization off against DynamicCache in every mode of the
-cache contract, and torch.export of the decode step with the static cache (issue 15, "Hybrid").
+cache contract, and torch.export of the decode step with the static cache.
 
     python benchmarks/hybrid_gemma3.py [--parts memory,generate,export,window_quality] [--context 32768] [--threads 1]
 
@@ -333,14 +333,15 @@ def plot(rows, path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="memory,generate,export,window_quality")
-    p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--prompt-tokens", type=int, default=600)
-    p.add_argument("--export-prompt", type=int, default=560)
-    p.add_argument("--export-steps", type=int, default=16)
-    p.add_argument("--quality-windows", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(OUT / "hybrid_gemma3.json"))
+    p.add_argument("--parts", default="memory,generate,export,window_quality",
+                   help="comma-separated parts to run: memory, generate, export, window_quality")
+    p.add_argument("--context", type=int, default=32768, help="tokens the caches are filled with (memory)")
+    p.add_argument("--prompt-tokens", type=int, default=600, help="prompt length of the generation modes")
+    p.add_argument("--export-prompt", type=int, default=560, help="tokens prefilled before the exported steps")
+    p.add_argument("--export-steps", type=int, default=16, help="decode steps compared with the exported program")
+    p.add_argument("--quality-windows", type=int, default=2, help="2048-token windows of Emma (window_quality)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--out", default=str(OUT / "hybrid_gemma3.json"), help="result JSON (parts not run are kept)")
     args = p.parse_args()
 
     import torch
