@@ -40,6 +40,9 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         layer_ref = getattr(key, "oscar_layer", None)  # the portable view of an Oscar layer (hf_kvint2.steps)
         if layer_ref is not None and layer_ref() is not None:
             layer_ref().fused_attention = True  # this layer is read by "oscar": defer its views from now on
+            cache_ref = getattr(key, "oscar_cache", None)  # a cache built without config, at a layer's first chunk
+            if cache_ref is not None and cache_ref() is not None:
+                cache_ref().learn_layer_types(getattr(module, "config", None), layer_ref().layer_idx, key, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     step = key.step

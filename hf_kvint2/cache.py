@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .calibration import calibration_from_choices, fit_calibration, settings_from_choices
 from .calibration.run import print_summary
@@ -14,15 +16,39 @@ from .distributed import resolve_shard, warn_if_undetectable
 from .hub import OSCAR_FORMAT, OSCAR_SCALED_FORMAT, ZOO_K_METHOD, ZOO_V_METHOD, CacheHubMixin, check_update
 from .hub.zoo import load_rotation_zoo
 from .layers import OscarLayer
-from .model_config import WINDOWED_LAYER_TYPES, layer_types, model_shape, window_length
+from .model_config import WINDOWED, LayerPlan, layer_plan, model_shape
 from .recipes import LayerRecipe
 from .settings import OscarCalibration, OscarScaledSettings, OscarSettings, oscar_layer_recipe
+from .steps import DeferredKV
+from .window_layer import WindowLayer, window_memory_bytes
+
+LAYER_TYPES_WARNING = (
+    "hf_kvint2: {cls} was built without config=, and the model's attention is not \"oscar\", so the cache cannot "
+    "tell which layers attend to a sliding window: it quantizes the whole history of every layer. The output is "
+    "right, but a sliding-window layer (Gemma 2/3, Mistral and Qwen2 with sliding windows, gpt-oss, ...) needs only "
+    "its window, in full precision. Pass config=model.config (or load the model with attn_implementation=\"oscar\", "
+    "whose first forward tells the cache each layer's type)."
+)
+_layer_types_warning = {"issued": False}  # warn once per process (a user-facing notice, not state of a computation)
+
+
+def warn_layer_types_unknown_once(owner: str) -> None:
+    if not _layer_types_warning["issued"]:
+        _layer_types_warning["issued"] = True
+        warnings.warn(LAYER_TYPES_WARNING.format(cls=owner), UserWarning, stacklevel=4)
 
 
 class OscarCacheBase(Cache):
-    """Shared mechanism: one :class:`OscarLayer` per full-attention layer, created eagerly from ``config`` or lazily
-    at the first ``update`` of each layer index, from ``recipe_for_layer(idx)``. Internal (the evaluation harness
-    builds baselines from it); the public caches add their settings and Hub I/O.
+    """Shared mechanism: one :class:`OscarLayer` per full-attention layer and a full-precision
+    :class:`~hf_kvint2.window_layer.WindowLayer` per sliding-window layer (:func:`hf_kvint2.model_config.layer_plan`),
+    created eagerly from ``config`` or lazily at the first ``update`` of each layer index (OscarLayers from
+    ``recipe_for_layer(idx)``). Internal (the evaluation harness builds baselines from it); the public caches add
+    their settings and Hub I/O.
+
+    Without ``config`` the cache learns the layer types at the first forward when the model runs the ``"oscar"``
+    attention (the attention module carries the model config): the first layer's first chunk is still at full
+    precision then, so the result is the cache that ``config=`` builds. Under any other attention implementation it
+    cannot, quantizes every layer and warns once (``LAYER_TYPES_WARNING``).
 
     Tensor parallelism (transformers' ``tp_plan``): built with ``config=model.config`` of a sharded model, a cache
     holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
@@ -37,19 +63,25 @@ class OscarCacheBase(Cache):
         self.config = config
         # Tensor parallelism (transformers' tp_plan): this rank's KV heads; None for a whole model.
         self.shard = resolve_shard(config, tp_group)
-        layers: list[CacheLayerMixin] = []
-        if config is not None:
-            for idx, layer_type in enumerate(layer_types(config)):
-                if layer_type == "full_attention":
-                    layers.append(OscarLayer(recipe_for_layer(idx), idx, self.shard))
-                elif layer_type in WINDOWED_LAYER_TYPES:
-                    layers.append(DynamicSlidingWindowLayer(sliding_window=window_length(config)))
-                else:
-                    raise ValueError(
-                        f"Layer {idx} of this model is of type {layer_type!r}, which {type(self).__name__} cannot "
-                        f"store (it quantizes 'full_attention' layers and keeps {WINDOWED_LAYER_TYPES} windows in "
-                        "full precision). Use transformers' DynamicCache for this model.")
-        super().__init__(layers=layers)
+        # How each layer is stored (model_config.layer_plan); None until known (from config or the first forward)
+        self.layer_plan: list[LayerPlan] | None = None if config is None else layer_plan(config, type(self).__name__)
+        super().__init__(layers=[self._new_layer(idx) for idx in range(len(self.layer_plan or ()))])
+
+    def _new_layer(self, idx: int) -> CacheLayerMixin:
+        plan = self.layer_plan[idx] if self.layer_plan is not None and idx < len(self.layer_plan) else None
+        if plan is not None and plan.storage == WINDOWED:
+            return self._window_layer(plan.window)
+        return OscarLayer(self._recipe_for_layer(idx), idx, self.shard)
+
+    def _window_layer(self, window: int) -> WindowLayer:
+        layer = WindowLayer(sliding_window=window)
+        if getattr(self, "_recording_past", False):  # asked for before this layer existed (assisted decoding)
+            layer.activate_past_recording()
+        return layer
+
+    def activate_past_recording(self):
+        self._recording_past = True  # also for the layers a cache without config creates later
+        super().activate_past_recording()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.artifact_info is not None:  # loaded from an artifact: check it fits this model (hub.check_update)
@@ -57,16 +89,44 @@ class OscarCacheBase(Cache):
         if not self.layers:
             warn_if_undetectable(self.config)
         while len(self.layers) <= layer_idx:
-            idx = len(self.layers)
-            self.layers.append(OscarLayer(self._recipe_for_layer(idx), idx, self.shard))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            self.layers.append(self._new_layer(len(self.layers)))
+        layer = self.layers[layer_idx]
+        learning = self.layer_plan is None and isinstance(layer, OscarLayer)
+        if learning and layer.seq_len > 0:  # a second forward and no "oscar" attention told the types
+            warn_layer_types_unknown_once(type(self).__name__)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if learning and layer.seq_len == key_states.shape[-2] and not isinstance(keys, DeferredKV):
+            # The layer's first chunk, handed to the attention as it came (full precision): the "oscar" attention
+            # may tell the cache the model's layer types now (learn_layer_types).
+            keys.oscar_cache = weakref.ref(self)
+        return keys, values
+
+    def learn_layer_types(self, config, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Called by the ``"oscar"`` attention at a layer's first forward (``keys`` / ``values``: its first chunk, as
+        ``update`` received it) with the model config from the attention module: the layers from now on are created
+        as ``config=`` would create them, and layer ``layer_idx``, if it is a sliding-window layer, becomes a
+        window holding that chunk (nothing of it was quantized for attention; its INT2 copy is dropped)."""
+        if self.layer_plan is not None or config is None:
+            return
+        plan = layer_plan(config, type(self).__name__)
+        self.layer_plan = plan
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if layer_idx < len(plan) and plan[layer_idx].storage == WINDOWED and isinstance(layer, OscarLayer) \
+                and layer.seq_len == keys.shape[-2]:
+            window = self._window_layer(plan[layer_idx].window)
+            window.update(keys, values)
+            self.layers[layer_idx] = window
 
     # ------------------------------------------------------------------ accounting
     _BYTE_KINDS = ("codes", "scales", "norms", "full_precision", "elements", "allocated")
 
     def memory_report(self, global_view: bool = False) -> dict:
         """Bytes held per layer, per device and in total (codes, scales, norms, full-precision windows), with
-        bits/element.
+        bits/element. Each layer row names its ``storage``: ``"quantized"`` (an :class:`OscarLayer`: sink, INT2 body,
+        recent window) or ``"windowed"`` (a sliding-window layer: the last ``window - 1`` tokens in full precision;
+        its ``elements`` are those tokens'); ``by_storage`` sums the rows of each (``by_storage["quantized"]
+        ["bits_per_element"]``: the quantized layers alone). ``allocated`` adds what the storage behind the tensors
+        holds (buffer capacity).
 
         Under tensor parallelism the report covers this rank's KV heads; ``global_view=True`` sums the counts over
         the tensor-parallel group (a collective: call it on every rank) so that it describes the whole model as one
@@ -79,14 +139,12 @@ class OscarCacheBase(Cache):
             if isinstance(layer, OscarLayer):
                 row = layer.memory_bytes()
                 device = layer.device if layer.is_initialized else None
-            else:  # full-precision windowed layer
-                held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                        if isinstance(t, torch.Tensor)]
-                fp = sum(t.numel() * t.element_size() for t in held)
-                row = {"codes": 0, "scales": 0, "norms": 0, "full_precision": fp,
-                       "elements": sum(t.numel() for t in held), "allocated": fp}
-                device = held[0].device if held else None
-            row = dict(row, layer=idx, kind=type(layer).__name__, device=None if device is None else str(device))
+            else:  # full-precision windowed layer: its window's tokens (and the storage behind them)
+                row = window_memory_bytes(layer)
+                device = layer.keys.device if row["elements"] else None
+            storage = "windowed" if getattr(layer, "is_sliding", False) else "quantized"
+            row = dict(row, layer=idx, kind=type(layer).__name__, storage=storage,
+                       device=None if device is None else str(device))
             if device is not None:
                 held_bytes = row["codes"] + row["scales"] + row["norms"] + row["full_precision"]
                 by_device[str(device)] = by_device.get(str(device), 0) + held_bytes
@@ -99,10 +157,12 @@ class OscarCacheBase(Cache):
                 row.update(zip(self._BYTE_KINDS, summed))
                 row["norms"] //= self.shard.world_size  # replicated, not sharded
         total = {k: sum(row[k] for row in per_layer) for k in self._BYTE_KINDS}
-        for row in per_layer + [total]:
+        by_storage = {kind: {k: sum(row[k] for row in per_layer if row["storage"] == kind) for k in self._BYTE_KINDS}
+                      for kind in ("quantized", "windowed")}
+        for row in per_layer + [total, *by_storage.values()]:
             row["total_bytes"] = row["codes"] + row["scales"] + row["norms"] + row["full_precision"]
             row["bits_per_element"] = 8 * row["total_bytes"] / row["elements"] if row["elements"] else 0.0
-        report = {"layers": per_layer, "by_device": by_device, "total": total}
+        report = {"layers": per_layer, "by_device": by_device, "total": total, "by_storage": by_storage}
         if self.shard is not None:
             report["tensor_parallel"] = {"rank": self.shard.rank, "world_size": self.shard.world_size,
                                          "kv_heads": self.shard.global_kv_heads if global_view

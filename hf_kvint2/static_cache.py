@@ -8,15 +8,18 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
-from .model_config import layer_types, model_shape
+from .model_config import WINDOWED, layer_plan, model_shape
 from .read_path import BODY_BLOCK_TOKENS
 from .recipes import LayerRecipe
 from .static_layer import StaticOscarLayer
+from .window_layer import StaticWindowLayer
 
 
 class StaticOscarCache(Cache):
     """A transformers ``Cache`` of :class:`StaticOscarLayer` s, one per full-attention layer, with the recipes of an
-    :class:`~hf_kvint2.OscarCache` or :class:`~hf_kvint2.OscarScaledCache`.
+    :class:`~hf_kvint2.OscarCache` or :class:`~hf_kvint2.OscarScaledCache`, and a full-precision
+    :class:`~hf_kvint2.window_layer.StaticWindowLayer` (a ring of ``min(sliding_window, max_cache_len)`` slots) per
+    sliding-window layer (:func:`hf_kvint2.model_config.layer_plan`, as in the dynamic caches).
 
     ``StaticOscarCache.from_cache(cache, config, max_cache_len)`` takes the recipes (rotations, clips, means,
     per-layer layouts, windows) of a dynamic cache, e.g. ``OscarCache.from_pretrained(...)``. Layers are allocated
@@ -30,11 +33,15 @@ class StaticOscarCache(Cache):
         if config is None:
             raise ValueError("StaticOscarCache needs the model config (config=model.config) to size its layers.")
         layers = []
-        for idx, layer_type in enumerate(layer_types(config)):
-            if layer_type != "full_attention":
-                raise ValueError(f"Layer {idx} of this model is of type {layer_type!r}; the static Oscar cache supports "
-                                 "full-attention layers only. Use OscarCache (dynamic) for this model.")
-            layers.append(StaticOscarLayer(recipe_for_layer(idx), max_cache_len, idx, attention_block))
+        for idx, plan in enumerate(layer_plan(config, "StaticOscarCache")):
+            if plan.storage == WINDOWED:
+                if plan.layer_type != "sliding_attention":
+                    raise ValueError(f"Layer {idx} of this model is of type {plan.layer_type!r}; the static Oscar "
+                                     "cache supports full-attention and sliding-window layers. Use OscarCache "
+                                     "(dynamic) for this model.")
+                layers.append(StaticWindowLayer(max_cache_len, plan.window, idx))
+            else:
+                layers.append(StaticOscarLayer(recipe_for_layer(idx), max_cache_len, idx, attention_block))
         self._max_cache_len = max_cache_len
         self.config = config
         super().__init__(layers=layers)
@@ -88,4 +95,4 @@ def static_cache_like(cache, config, max_cache_len: int, attention_block: int = 
     return StaticOscarCache.from_cache(cache, config, max_cache_len, attention_block)
 
 
-__all__ = ["StaticOscarCache", "StaticOscarLayer", "static_cache_like"]
+__all__ = ["StaticOscarCache", "StaticOscarLayer", "StaticWindowLayer", "static_cache_like"]

@@ -149,7 +149,7 @@ def test_portable_path_warns_once(tiny_model, monkeypatch):
         for _ in range(2):
             tiny_model("llama").generate(ids, attention_mask=mask, past_key_values=CACHES["oscar"](),
                                          max_new_tokens=4, do_sample=False)
-    ours = [w for w in caught if "hf_kvint2" in str(w.message)]
+    ours = [w for w in caught if "portable attention path" in str(w.message)]
     assert len(ours) == 1 and 'attn_implementation="oscar"' in str(ours[0].message)
 
     monkeypatch.setitem(steps._portable_warning, "issued", False)

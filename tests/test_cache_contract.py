@@ -322,7 +322,7 @@ def test_sliding_window_layers_stay_full_precision(kind):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     ids = prompt(length=24, seed=11)
     cache = full_precision_cache(kind, config=config)
-    assert [type(layer).__name__ for layer in cache.layers] == ["OscarLayer", "DynamicSlidingWindowLayer"]
+    assert [type(layer).__name__ for layer in cache.layers] == ["OscarLayer", "WindowLayer"]
     ref = DynamicCache(config=config)
     for chunk in (slice(0, 16), slice(16, 17), slice(17, 24)):
         torch.testing.assert_close(forward(model, ids[:, chunk], cache), forward(model, ids[:, chunk], ref),
@@ -330,8 +330,8 @@ def test_sliding_window_layers_stay_full_precision(kind):
     quant = quantized_cache(kind, config=config)
     out = model.generate(ids, past_key_values=quant, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     report = quant.memory_report()
-    kinds = [row["kind"] for row in report["layers"]]
-    assert kinds == ["OscarLayer", "DynamicSlidingWindowLayer"]
+    kinds = [(row["kind"], row["storage"]) for row in report["layers"]]
+    assert kinds == [("OscarLayer", "quantized"), ("WindowLayer", "windowed")]
     sliding = report["layers"][1]
     assert sliding["codes"] == 0 and sliding["full_precision"] > 0 and sliding["bits_per_element"] == 32.0
     assert report["layers"][0]["codes"] > 0

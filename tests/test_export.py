@@ -394,8 +394,12 @@ def test_bad_inputs_fail_clearly(model):
 
     sliding = AutoModelForCausalLM.from_config(tiny_config("mistral", sliding_window=8,
                                                            layer_types=["sliding_attention", "full_attention"]))
-    with pytest.raises(ValueError, match="full-attention layers only"):
-        StaticOscarCache.from_cache(OscarCache(), sliding.config, MAX_LEN)
+    hybrid = StaticOscarCache.from_cache(OscarCache(), sliding.config, MAX_LEN)  # sliding layers: a window ring
+    assert [type(layer).__name__ for layer in hybrid.layers] == ["StaticWindowLayer", "StaticOscarLayer"]
+    chunked = tiny_config("mistral", sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    chunked.layer_types, chunked.attention_chunk_size = ["chunked_attention", "full_attention"], 8
+    with pytest.raises(ValueError, match="'chunked_attention'; the static Oscar cache supports full-attention and"):
+        StaticOscarCache.from_cache(OscarCache(), chunked, MAX_LEN)
     with pytest.raises(ValueError, match="attn_implementation"):
         from hf_kvint2.export import bind_static_cache
 
