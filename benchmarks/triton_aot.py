@@ -1,9 +1,13 @@
 """Compile every Triton kernel in every dispatcher configuration for sm_80 and sm_90 on a CPU, report resources.
 
     python benchmarks/triton_aot.py                          # full matrix, both targets -> results/triton_aot.json
-    python benchmarks/triton_aot.py --reuse benchmarks/results/triton_aot.json --verify 4   # what CI runs
-    python benchmarks/triton_aot.py --triton 3.6.0 --out /tmp/aot36   # with another Triton (pip --target, cached)
-    python benchmarks/triton_aot.py --filter bfloat16_d128 --arch 90  # a subset
+    python benchmarks/triton_aot.py --reuse benchmarks/results/triton_aot.json   # after a kernel edit: recompile
+                                                             # only the specialisations of the edited kernels
+    python benchmarks/triton_aot.py --triton 3.6.0 --no-roofline --reuse benchmarks/results/triton_aot_triton3.6.0.json
+                                                             # another Triton (pip --target, cached)
+                                                             # -> results/triton_aot_triton3.6.0.json
+    python benchmarks/triton_aot.py --check benchmarks/results/triton_aot*.json --sample 4   # what CI runs
+    python benchmarks/triton_aot.py --filter bfloat16_d128 --arch 90 --out /tmp/aot   # a subset
 
 Configurations: ``hf_kvint2.kernels.aot.dispatch_configurations()`` (cache layouts x K/V dtype x head_dim x GQA); the
 launches of each come from the wrappers themselves (``hf_kvint2.kernels.aot``); identical specialisations are
@@ -14,6 +18,13 @@ JSON also holds the roofline predictions (``benchmarks/roofline.py``) and ``trit
 version and target are unchanged (compiling is a pure function of those) and compiles everything else;
 ``--verify N`` recompiles N of the reused ones per kernel and target and fails unless registers, shared memory and
 spills are identical. Exit status 1 when any configuration fails to compile.
+
+``--check REPORT...`` (CI) compiles almost nothing: it fails unless each report holds a successful compile of every
+specialisation of every dispatcher configuration on every target for the kernels' *current* source
+(``aot.kernel_source_hash``: the code, not its position in the file), then recompiles ``--sample N`` of them per
+kernel and target with the installed Triton in a fresh cache: the quickest, and others chosen by the source hash
+(so each kernel edit samples other configurations). Where the installed Triton made the report, the recompiled
+registers, shared memory and spills must equal the committed ones; with another Triton they must compile and fit.
 """
 
 from __future__ import annotations
@@ -45,7 +56,8 @@ def use_triton(version: str) -> None:
     if not (target / "triton").exists():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                         f"triton=={version}"], check=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]),
+               HF_KVINT2_AOT_TRITON=version)  # the re-run writes the per-version report
     args = [a for i, a in enumerate(sys.argv) if a != "--triton" and (i == 0 or sys.argv[i - 1] != "--triton")]
     sys.exit(subprocess.run([sys.executable, *args], check=False, env=env).returncode)
 
@@ -64,6 +76,15 @@ def load_known(paths: list[Path], triton_version: str, source_hashes: dict) -> d
 
 
 def _load_known(path: Path, triton_version: str, source_hashes: dict) -> dict:
+    if path.suffix == ".jsonl":  # the checkpoint of an unfinished run: one compile per line
+        known = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row["triton"] == triton_version and source_hashes.get(row["kernel"]) == row["source_hash"] \
+                    and row["result"].get("ok"):
+                known[(row["key"], row["arch"])] = row["result"]
+        print(f"reusing {len(known)} results of {path}")
+        return known
     report = json.loads(path.read_text())
     if report.get("triton") != triton_version:
         print(f"not reusing {path}: made with Triton {report.get('triton')}, this is {triton_version}")
@@ -99,31 +120,147 @@ def verify(unique: dict, results: dict, per_kernel: int, workers: int) -> list[s
     return bad
 
 
+def _committed(paths: list[Path]) -> list[dict]:
+    reports = []
+    for path in paths:
+        if not path.exists():
+            raise SystemExit(f"--check: {path} does not exist; make it with benchmarks/triton_aot.py (see --help).")
+        report = json.loads(path.read_text())
+        report["path"] = str(path)
+        report["by_key"] = {(s["key"], s["source_hash"]): s for s in report["specialisations"]}
+        reports.append(report)
+    return reports
+
+
+def coverage(unique: dict, hashes: dict, by_config: dict, report: dict) -> list[str]:
+    """What ``report`` lacks: (configuration, target) pairs with a specialisation that has no successful compile
+    for the current kernel source, or whose compile failed."""
+    problems = []
+    for name, per_arch in by_config.items():
+        for arch_name, keys in per_arch.items():
+            arch = int(arch_name.removeprefix("sm_"))
+            for key in keys:
+                spec = unique[arch][key][0]
+                entry = report["by_key"].get((key, hashes[spec.kernel]))
+                res = (entry or {}).get("targets", {}).get(arch_name)
+                if res is None:
+                    problems.append(f"{name} {arch_name}: {spec.kernel} {key} not compiled for source "
+                                    f"{hashes[spec.kernel]}")
+                elif not res.get("ok"):
+                    problems.append(f"{name} {arch_name}: {spec.kernel} {key} failed: {res.get('error')}")
+    return problems
+
+
+def pick_sample(unique: dict, hashes: dict, report: dict, per_kernel: int) -> dict:
+    """Up to ``per_kernel`` specialisations per (kernel, target): the quickest to compile (as recorded), then others
+    drawn with the kernel's source hash as seed from those recorded under 10 s."""
+    import random
+
+    sample = {}
+    for arch, specs in unique.items():
+        by_kernel = {}
+        for key, (spec, fn) in sorted(specs.items()):
+            res = report["by_key"].get((key, hashes[spec.kernel]), {}).get("targets", {}).get(f"sm_{arch}", {})
+            by_kernel.setdefault(spec.kernel, []).append((res.get("compile_s", 60.0), key))
+        for kernel, timed in by_kernel.items():
+            timed.sort()
+            chosen = [timed[0][1]]
+            rest = [k for t, k in timed[1:] if t < 10.0]
+            random.Random(f"{hashes[kernel]}:{arch}").shuffle(rest)
+            chosen += rest[:per_kernel - 1]
+            for key in chosen[:per_kernel]:
+                sample.setdefault(arch, {})[key] = specs[key]
+    return sample
+
+
+def check(args) -> int:
+    """CI: every configuration covered by every report, for the current source; a sample recompiled now."""
+    import triton
+    from hf_kvint2.kernels import aot
+    from hf_kvint2.kernels.aot import dispatch_configurations
+
+    start = time.perf_counter()
+    archs = [int(a) for a in args.arch.split(",")]
+    configs = dispatch_configurations()
+    unique, by_config = aot.collect(configs, archs)
+    fns = {spec.kernel: fn for specs in unique.values() for spec, fn in specs.values()}
+    hashes = {name: aot.kernel_source_hash(fn) for name, fn in fns.items()}
+    n_unique = sum(len(v) for v in unique.values())
+    reports = _committed(args.check)
+    problems = []
+    summary = {"configurations_count": len(configs), "specialisations_count": n_unique,
+               "kernel_source_hashes": hashes, "triton": triton.__version__, "reports": {}}
+    for report in reports:
+        missing = coverage(unique, hashes, by_config, report)
+        covered = n_unique - len({m.split(": ", 1)[1] for m in missing})
+        print(f"{report['path']} (Triton {report['triton']}): {len(configs)} configurations, "
+              f"{n_unique} specialisations on {len(archs)} targets; {len(missing)} gaps (a configuration, target and specialisation without a result)")
+        summary["reports"][report["path"]] = {"triton": report["triton"], "gaps": len(missing),
+                                              "covered_specialisations": covered}
+        problems += [f"{report['path']}: {m}" for m in missing]
+    if problems:
+        print(f"FAILED: {len(problems)} (configuration, target, specialisation) entries have no successful compile for the current "
+              f"kernel source; regenerate: python benchmarks/triton_aot.py --reuse {reports[0]['path']} "
+              f"(and the same with --triton VERSION for each per-version report)")
+    same_version = [r for r in reports if r["triton"] == triton.__version__]
+    reference = same_version[0] if same_version else reports[0]
+    sample = pick_sample(unique, hashes, reference, args.sample)
+    fresh = aot.compile_all(sample, args.workers)
+    rows = []
+    for (key, arch), res in sorted(fresh.items()):
+        spec = unique[arch][key][0]
+        old = reference["by_key"].get((key, hashes[spec.kernel]), {}).get("targets", {}).get(f"sm_{arch}", {})
+        fields = ("ok", "registers", "shared_bytes", "spill_store_bytes", "spill_load_bytes")
+        row = {"kernel": spec.kernel, "key": key, "target": f"sm_{arch}", "compile_s": res["compile_s"],
+               **{f: res.get(f) for f in fields}, "committed": {f: old.get(f) for f in fields}}
+        rows.append(row)
+        if not res["ok"]:
+            problems.append(f"{spec.kernel} {key} sm_{arch}: does not compile with Triton {triton.__version__}: "
+                            f"{res['error']}")
+        elif same_version and any(res.get(f) != old.get(f) for f in fields):
+            problems.append(f"{spec.kernel} {key} sm_{arch}: recompiled {row} != committed")
+        print(f"  recompiled {spec.kernel} {key} sm_{arch} in {res['compile_s']:.1f} s: {res.get('registers')} "
+              f"registers, {res.get('spill_store_bytes')} B spilled, {res.get('shared_bytes')} B shared "
+              f"(committed with Triton {reference['triton']}: {old.get('registers')}, "
+              f"{old.get('spill_store_bytes')}, {old.get('shared_bytes')})")
+    how = "compared with the committed results" if same_version else \
+        f"Triton {triton.__version__} made none of the reports: checked that they compile and fit"
+    print(f"recompiled {len(rows)} specialisations ({how}); {time.perf_counter() - start:.0f} s")
+    summary.update(sample=rows, compared=bool(same_version), problems=problems, wall_s=time.perf_counter() - start)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "triton_aot_check.json").write_text(json.dumps(summary, indent=1, default=str))
+    for line in problems[:50]:
+        print("FAILED:", line)
+    return 1 if problems else 0
+
+
 def markdown_table(report: dict) -> str:
-    """Worst case per kernel, head_dim and target (registers, spills, shared memory, occupancy)."""
+    """Worst case per kernel, head_dim, variant (decode: dot dtype; quantize: group axis) and target: registers,
+    spills, shared memory, occupancy; failures counted."""
     rows = {}
     for spec in report["specialisations"]:
-        d = spec["constexprs"].get("D")
-        dot = spec["constexprs"].get("DOT_DTYPE", "")
+        c = spec["constexprs"]
+        variant = {"body_attention": f"{str(c.get('DOT_DTYPE', '')).split('.')[-1]} dots",
+                   "quantize_pack": "per-channel" if c.get("AXIS_CHANNEL") else "per-token"}.get(spec["kernel"], "-")
         for arch, res in spec["targets"].items():
-            if not res.get("ok"):
-                continue
-            k = (spec["kernel"], d, arch)
-            r = rows.setdefault(k, {"n": 0, "regs": 0, "spill": 0, "smem": 0, "occ": 1.0, "spilling": set()})
+            k = (spec["kernel"], c.get("D"), variant, arch)
+            r = rows.setdefault(k, {"n": 0, "failed": 0, "regs": 0, "spill": 0, "spilling": 0, "smem": 0, "occ": 1.0})
             r["n"] += 1
+            if not res.get("ok"):
+                r["failed"] += 1
+                continue
             r["regs"] = max(r["regs"], res["registers"])
             r["spill"] = max(r["spill"], res["spill_store_bytes"])
+            r["spilling"] += bool(res["spill_store_bytes"])
             r["smem"] = max(r["smem"], res["shared_bytes"])
             r["occ"] = min(r["occ"], res["occupancy"])
-            if res["spill_store_bytes"]:
-                r["spilling"].add(str(dot).split(".")[-1] or "-")
-    header = ("| kernel | head_dim | target | specialisations | max registers | max spill stores (B) "
-              "| max shared (KiB) | min occupancy |")
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
-    for (kernel, d, arch), r in sorted(rows.items()):
-        spill = f"{r['spill']}" + (f" ({', '.join(sorted(r['spilling']))} dots)" if r["spilling"] - {"-"} else "")
-        lines.append(f"| {kernel} | {d} | {arch} | {r['n']} | {r['regs']} | {spill} | {r['smem'] / 1024:.1f} | "
-                     f"{r['occ']:.0%} |")
+    header = ("| kernel | head_dim | variant | target | specialisations (failed) | max registers "
+              "| spilling / max spill stores (B) | max shared (KiB) | min occupancy |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for (kernel, d, variant, arch), r in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2],
+                                                                             kv[0][3])):
+        lines.append(f"| {kernel} | {d} | {variant} | {arch} | {r['n']} ({r['failed']}) | {r['regs']} | "
+                     f"{r['spilling']} / {r['spill']} | {r['smem'] / 1024:.1f} | {r['occ']:.0%} |")
     return "\n".join(lines)
 
 
@@ -155,9 +292,14 @@ def main(argv=None) -> int:
     ap.add_argument("--triton", default=None, help="run with this Triton version (pip install --target, cached)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
     ap.add_argument("--no-roofline", action="store_true", help="skip the roofline predictions and the plot")
+    ap.add_argument("--check", type=Path, nargs="+", default=None, help="CI: fail unless these reports cover every "
+                    "configuration for the current kernel source; recompile a --sample")
+    ap.add_argument("--sample", type=int, default=4, help="with --check: recompile this many per kernel and target")
     args = ap.parse_args(argv)
     if args.triton:
         use_triton(args.triton)
+    if args.check:
+        return check(args)
     import torch
     import triton
     from hf_kvint2.kernels import aot
@@ -178,7 +320,18 @@ def main(argv=None) -> int:
     n_unique = sum(len(v) for v in unique.values())
     print(f"Triton {triton.__version__}: {len(configs)} configurations -> {n_unique} specialisations on "
           f"{len(archs)} targets ({sum(1 for a in unique for k in unique[a] if (k, a) in known)} reused)")
-    results = aot.compile_all(unique, args.workers, known)
+    per_version = args.triton or os.environ.get("HF_KVINT2_AOT_TRITON")
+    out_json = args.out / (f"triton_aot_triton{triton.__version__}.json" if per_version else "triton_aot.json")
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out_json.with_suffix(".partial.jsonl")  # survives an interrupted run: pass it to --reuse
+    kernel_of = {(key, arch): spec.kernel for arch, items in unique.items() for key, (spec, _) in items.items()}
+
+    def save(key, arch, res):
+        with checkpoint.open("a") as f:
+            f.write(json.dumps({"key": key, "arch": arch, "kernel": kernel_of[(key, arch)], "triton": triton.__version__,
+                                "source_hash": hashes[kernel_of[(key, arch)]], "result": res}, default=str) + "\n")
+
+    results = aot.compile_all(unique, args.workers, known, on_result=save)
     mismatches = verify(unique, results, args.verify, args.workers) if args.verify and known else []
 
     specs = {}
@@ -214,15 +367,15 @@ def main(argv=None) -> int:
         report["roofline"] = {"note": roofline.__doc__.strip(), "shapes": roofline.SHAPES,
                               "rows": roofline.predictions()}
     report["wall_s"] = time.perf_counter() - start
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "triton_aot.json").write_text(json.dumps(report, indent=1, default=str))
+    out_json.write_text(json.dumps(report, indent=1, default=str))
+    checkpoint.unlink(missing_ok=True)
     if not args.no_roofline:
         roofline.plot(report["roofline"]["rows"], args.out / "triton_aot.png")
     print(markdown_table(report))
     if "roofline" in report:
         print(roofline_table(report["roofline"]["rows"]))
     print(f"{len(specs)} specialisations, {len(compile_s)} compiled now ({sum(compile_s):.0f} s of compile time, "
-          f"{args.workers} workers), {report['wall_s']:.0f} s wall; wrote {args.out / 'triton_aot.json'}")
+          f"{args.workers} workers), {report['wall_s']:.0f} s wall; wrote {out_json}")
     for line in failed + mismatches:
         print("FAILED:", line)
     return 1 if failed or mismatches else 0

@@ -21,6 +21,7 @@ next.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 import subprocess
@@ -165,15 +166,9 @@ def capture_launches(config, sms: int, quantize: bool = True) -> list[Launch]:
     V (one demoted token and a prefill chunk), and decode attention at each (batch, context) of the config (split-K
     with the merge, and a single split)."""
     d, hkv, hq = config.head_dim, config.kv_heads, config.kv_heads * config.gqa
+    quantizes = list(_quantize_launches(config.key_layout, config.value_layout, config.centred, config.dtype, d, hkv,
+                                        config.scale_dtype)) if quantize else []
     with recording(sms) as sink:
-        for layout, mean in ((config.key_layout, config.centred), (config.value_layout, config.centred))[:2 * quantize]:
-            group = layout.group_for(d)
-            counts = (1, 256) if layout.axis == "token" else (2 * group,)
-            for n in counts:
-                x = torch.zeros(1, hkv, n, d, dtype=config.dtype)
-                quantize_pack.quantize_tokens(
-                    x, torch.eye(d), torch.zeros(hkv, d) if mean else None, axis=layout.axis, group_size=group,
-                    clip=layout.clip, token_scaling=layout.token_scaling, scale_dtype=config.scale_dtype)
         meta = torch.device("meta")
         for batch, context in config.shapes:
             kb = _stream(config.key_layout, d, hkv, batch, context, config.scale_dtype, config.centred, meta).read()
@@ -187,7 +182,22 @@ def capture_launches(config, sms: int, quantize: bool = True) -> list[Launch]:
             for splits in (None, 1):  # the dispatcher's split-K choice, and one split (no merge)
                 decode_attention.body_attention(q_rot, kb, vb, scaling=d ** -0.5, key_mean_logits=qmu, mask=mask,
                                                 num_splits=splits, dot_dtype=config.dtype)
-    return sink
+    return quantizes + sink
+
+
+@functools.cache
+def _quantize_launches(key_layout, value_layout, centred, dtype, d, hkv, scale_dtype) -> tuple:
+    """The quantize-and-pack launches of K and V (they do not depend on the GQA group: cached across configs)."""
+    with recording(1) as sink:
+        for layout, mean in ((key_layout, centred), (value_layout, centred)):
+            group = layout.group_for(d)
+            counts = (1, 256) if layout.axis == "token" else (2 * group,)
+            for n in counts:
+                x = torch.zeros(1, hkv, n, d, dtype=dtype)
+                quantize_pack.quantize_tokens(
+                    x, torch.eye(d), torch.zeros(hkv, d) if mean else None, axis=layout.axis, group_size=group,
+                    clip=layout.clip, token_scaling=layout.token_scaling, scale_dtype=scale_dtype)
+    return tuple(sink)
 
 
 # ------------------------------------------------------------------------------------------------ specialisation
@@ -209,7 +219,8 @@ class Specialisation:
 
     @property
     def key(self) -> str:
-        return hashlib.sha1(repr((self.kernel, self.types, self.constants, self.divisible, self.options))
+        constants = tuple((n, v if isinstance(v, (bool, int, float)) else str(v)) for n, v in self.constants)
+        return hashlib.sha1(repr((self.kernel, self.types, constants, self.divisible, self.options))
                             .encode()).hexdigest()[:16]
 
     def describe(self) -> dict:
@@ -379,8 +390,41 @@ def compile_specialisation(spec: Specialisation, fn, arch: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the matrix
 def kernel_source_hash(fn) -> str:
-    """Hash of a kernel's source and the jit functions it calls (Triton's own cache key for it)."""
-    return hashlib.sha1(fn.cache_key.encode()).hexdigest()[:16]
+    """Hash of what a compile reads from the source: the kernel's code and that of every ``@triton.jit`` function
+    outside Triton it calls (transitively), as ASTs without positions, comments or docstrings, and the
+    module-level constants they read. Triton's own ``fn.cache_key`` adds each function's starting line, so an edit
+    that only moves a kernel down its file would invalidate every committed result; this hash does not change then.
+    Triton's version is recorded next to it (the report's ``triton``), and its library functions (``tl.sum`` ...)
+    belong to that version."""
+    parts: list[str] = []
+    _source_parts(fn, parts, set())
+    return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _source_parts(fn, parts: list, seen: set) -> None:
+    import ast
+    import inspect
+    import textwrap
+
+    py = fn.fn  # the Python function under JITFunction (or the interpreter's wrapper)
+    if py in seen:
+        return
+    seen.add(py)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(py)))
+    for node in ast.walk(tree):  # docstrings are not code
+        if isinstance(node, ast.FunctionDef) and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str):
+            node.body = node.body[1:] or [ast.Pass()]
+    parts.append(ast.dump(tree))
+    globals_ = py.__globals__
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)) or node.id not in globals_:
+            continue
+        value = globals_[node.id]
+        if callable(getattr(value, "fn", None)) and not value.fn.__module__.startswith("triton"):
+            _source_parts(value, parts, seen)  # a @triton.jit function (not one of Triton's library)
+        elif isinstance(value, (bool, int, float, str)) or type(value).__name__ == "constexpr":
+            parts.append(f"{node.id}={value!r}")
 
 
 def collect(configs, archs) -> tuple[dict, dict]:
@@ -408,10 +452,12 @@ def _compile_job(job):
     return spec.key, arch, compile_specialisation(spec, fn, arch)
 
 
-def compile_all(unique: dict, workers: int = 2, known: dict | None = None, progress=print) -> dict:
+def compile_all(unique: dict, workers: int = 2, known: dict | None = None, progress=print, on_result=None) -> dict:
     """Compile every specialisation in ``unique`` (from :func:`collect`) in ``workers`` processes; results by
     ``(key, arch)``. ``known``: results of an earlier run by the same key - reused when the kernel source, Triton
-    version and target are the same (a compile is a pure function of those), and not recompiled."""
+    version and target are the same (a compile is a pure function of those), and not recompiled. ``on_result(key,
+    arch, result)`` is called as each compile finishes (a checkpoint). The 16-bit decode kernels and the smaller
+    head_dims go first, the IEEE-fp32 decode kernels (the slowest to compile) last."""
     import concurrent.futures
     import multiprocessing
     import time
@@ -424,12 +470,22 @@ def compile_all(unique: dict, workers: int = 2, known: dict | None = None, progr
                 results[(key, arch)] = {**prior, "reused": True}
             else:
                 jobs.append((fn.__module__, fn.__name__, spec, arch))
+
+    def order(job):
+        c = dict(job[2].constants)
+        return (str(c.get("DOT_DTYPE", "")) == "fp32", c.get("D", 0), job[2].kernel, job[3], job[2].key)
+
+    jobs.sort(key=order)
     start = time.perf_counter()
     if jobs:
         ctx = multiprocessing.get_context("spawn")  # no state shared with a parent that may hold an interpreter
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            for i, (key, arch, res) in enumerate(pool.map(_compile_job, jobs)):
+            futures = [pool.submit(_compile_job, job) for job in jobs]
+            for i, future in enumerate(concurrent.futures.as_completed(futures)):
+                key, arch, res = future.result()
                 results[(key, arch)] = res
+                if on_result:
+                    on_result(key, arch, res)
                 if progress and (i + 1) % 25 == 0:
                     progress(f"  compiled {i + 1}/{len(jobs)} in {time.perf_counter() - start:.0f} s")
     return results

@@ -21,9 +21,13 @@ from hf_kvint2.read_path import attend_segments
 
 from .reference import layer_mask
 
-# Launch settings of the decode kernel (benchmarks/bench_gpu.py sweeps them): tokens per tile, warps per program,
-# and how many programs per SM the split-K grid aims at.
-TUNING = {"block_n": 64, "num_warps": 4, "programs_per_sm": 4}
+# Launch settings of the decode kernel (benchmarks/bench_gpu.py sweeps them): tokens per tile ("block_n" for 16-bit
+# dots up to head_dim 128, "block_n_small" at larger head_dims and for IEEE fp32 dots), warps per program, and how
+# many programs per SM the split-K grid aims at. Compiled for sm_80/sm_90 (benchmarks/triton_aot.py): at head_dim
+# 256 tiles of 64 tokens spilled 4-292 B per thread (255 registers), of 32 still 20 B in one layout on sm_90, of 16
+# none (128-132 registers). IEEE fp32 dots (FMA loops, no tensor cores) at 64 tokens spilled 0.1-10 KiB at head_dim
+# 128 and took minutes to compile; at 16 they take 168 registers and spill nothing.
+TUNING = {"block_n": 64, "block_n_small": 16, "num_warps": 4, "programs_per_sm": 4}
 # Dot operands: IEEE fp32 for fp32 queries; the model's 16-bit dtype otherwise (as flash attention does).
 _TL_DOT_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -303,7 +307,8 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
         mk = mk[..., :n].expand(b, 1, lq, n)
         mask_kind = 1 if mk.dtype == torch.bool else 2
 
-    block_n = block_n or TUNING["block_n"]
+    requested_dot = q_rot.dtype if dot_dtype is None else dot_dtype  # the tile follows it, also in the interpreter
+    block_n = block_n or TUNING["block_n" if d <= 128 and requested_dot != torch.float32 else "block_n_small"]
     block_m = max(16, min(64, triton.next_power_of_2(n_rep * lq)))
     row_blocks = triton.cdiv(n_rep * lq, block_m)
     if num_splits is None:  # enough programs to fill the GPU a few times over, each with at least 4 tiles

@@ -1,8 +1,11 @@
 """Fused transform + INT2 quantize + pack of new tokens (what ``QuantizedStream.append`` stores).
 
 One program owns a tile of tokens of one batch row and loops over the KV heads, so the omni-token norm (over all
-heads and channels of a token) needs no second kernel: pass 1 sums squares over heads, pass 2 recomputes the
-cheap rotation and quantizes. Per-channel groups span ``group_size`` tokens, so then a tile is exactly one group.
+heads and channels of a token) needs no second kernel: pass 1 sums squares over heads and stores the norms, pass 2
+recomputes the cheap rotation and quantizes (reading the norms back). Per-channel groups span ``group_size``
+tokens, so then a tile is exactly one group; it is transformed ``SUB_T`` tokens at a time (about 4096 fp32 values),
+once for each channel's min / max and once more for the codes, so that a 128-token group never sits in registers
+whole (compiled for sm_80 / sm_90 it spilled; ``benchmarks/triton_aot.py``).
 
 Matching :func:`hf_kvint2.quant.quantize_int2` bit for bit where it matters: the rotation runs in IEEE fp32,
 ``scale``/``lo`` are rounded to the scale dtype before the codes are chosen, codes round half to even like
@@ -29,7 +32,7 @@ def _rotate(x_ptr, sxt, mean_ptr, rot_ptr, tok, tok_ok, cols, col_ok, D: tl.cons
             BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, HAS_MEAN: tl.constexpr):
     """(x[tok] - mean) @ R for one head: [BLOCK_T, BLOCK_D] fp32, accumulated over CHUNK-wide slices of D."""
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for c0 in tl.static_range(0, BLOCK_D, CHUNK):
+    for c0 in range(0, BLOCK_D, CHUNK):  # a loop, not unrolled: at head_dim 256 unrolled compiles took minutes
         kc = c0 + tl.arange(0, CHUNK)
         k_ok = kc < D
         x = tl.load(x_ptr + tok[:, None] * sxt + kc[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
@@ -76,17 +79,68 @@ def _round_half_even(y):
     return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, tl.where(odd, f + 1.0, f)))
 
 
+@triton.jit
+def _transformed(x_ptr, sxt, mean_ptr, rot_ptr, tok, tok_ok, cols, col_ok, norm_ptr, clip_frac, clip_floor,
+                 D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+                 HAS_MEAN: tl.constexpr, TOKEN_SCALING: tl.constexpr, CLIP: tl.constexpr, CLIP_I0: tl.constexpr,
+                 CLIP_I1: tl.constexpr):
+    """``ROWS`` tokens of one head as they are quantized: centred, rotated, divided by the token norm (read back
+    from ``norm_ptr``, where this program stored it in the scale dtype), clipped."""
+    xr = _rotate(x_ptr, sxt, mean_ptr, rot_ptr, tok, tok_ok, cols, col_ok, D, ROWS, BLOCK_D, CHUNK, HAS_MEAN)
+    if TOKEN_SCALING:
+        norm = tl.load(norm_ptr + tok, mask=tok_ok, other=1.0).to(tl.float32)
+        norm = tl.where(norm > 0.0, norm, 1.0)  # a zero norm is stored (the row reads back as zeros), divides by 1
+        xr = tl.div_rn(xr, norm[:, None])
+    if CLIP:
+        # The linear-interpolated quantile of |row| (transforms.row_quantile): order statistics CLIP_I0 and
+        # CLIP_I1 = CLIP_I0 + 1 (or the same); padded columns count as +inf so they sort last.
+        a_bits = tl.where(col_ok[None, :], tl.abs(xr), float("inf")).to(tl.int32, bitcast=True)
+        b0 = _kth_smallest(a_bits, CLIP_I0, ROWS)
+        if CLIP_I1 == CLIP_I0:
+            b1 = b0
+        else:  # the next order statistic: b0 again if it repeats, else the smallest value above it
+            repeats = tl.sum((a_bits <= b0[:, None]).to(tl.int32), axis=1) >= CLIP_I1 + 1
+            b1 = tl.where(repeats, b0, tl.min(tl.where(a_bits > b0[:, None], a_bits, 0x7F800000), axis=1))
+        q0 = b0.to(tl.float32, bitcast=True)
+        q1 = b1.to(tl.float32, bitcast=True)
+        tau = (q0 * (1.0 - clip_frac) + q1 * clip_frac)[:, None]
+        # transforms.CLIP_FLOOR: never below that fraction of the row's largest |x| (no row is erased)
+        row_max = tl.max(tl.where(col_ok[None, :], tl.abs(xr), 0.0), axis=1)
+        tau = tl.maximum(tau, clip_floor * row_max[:, None])
+        xr = tl.minimum(tl.maximum(xr, -tau), tau)
+    return xr
+
+
+@triton.jit
+def _store_codes(codes_ptr, sct, xr, lo_c, scale_c, tok, tok_ok, D: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Codes of ``xr`` [ROWS, BLOCK_D] for (lo, scale) broadcast to it, packed four per byte and stored."""
+    safe = tl.where(scale_c > 0.0, scale_c, 1.0)
+    code = tl.where(scale_c > 0.0, _round_half_even(tl.div_rn(xr - lo_c, safe)), 0.0)
+    code = tl.minimum(tl.maximum(code, 0.0), 3.0).to(tl.int32)
+    # Pack channel 4j+i into bits 2i of byte j (the order of hf_kvint2.quant.pack_int2).
+    quads = tl.reshape(code, (ROWS, BLOCK_D // 4, 4))
+    shifts = (tl.arange(0, 4) * 2)[None, None, :]
+    packed = tl.sum(quads << shifts, axis=2).to(tl.uint8)
+    bcols = tl.arange(0, BLOCK_D // 4)
+    tl.store(codes_ptr + tok[:, None] * sct + bcols[None, :], packed,
+             mask=tok_ok[:, None] & (bcols < D // 4)[None, :])
+
+
 # n_tokens is 1 for a decode step's demotion and larger for a prefill (and so are the batch/head strides), H is 1 for
 # some models: not specialised on "== 1" / "% 16" (each would be another JIT compile; the kernel gains nothing).
-@triton.jit(do_not_specialize=["sxb", "sxh", "scb", "sch", "ssb", "ssh", "snb", "H", "n_tokens"])
+# r_zero is always 0: R's address in the loops without a store (the token norms' pass, the per-channel min/max pass)
+# moves by r_zero * (loop index), so that the compiler does not hoist R's loads out of them - hoisted, all of R sat in
+# shared memory (64 KiB at head_dim 128; 261 KiB at 256, over sm_90's 227 KiB: it could not launch).
+@triton.jit(do_not_specialize=["sxb", "sxh", "scb", "sch", "ssb", "ssh", "snb", "H", "n_tokens", "r_zero"])
 def _quantize_pack_kernel(
     x_ptr, sxb, sxh, sxt,
     mean_ptr, rot_ptr,
     codes_ptr, scb, sch, sct,
     scale_ptr, lo_ptr, ssb, ssh, sst,
     norm_ptr, snb,
-    H, n_tokens, clip_frac, clip_floor,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    H, n_tokens, clip_frac, clip_floor, r_zero,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, SUB_T: tl.constexpr, CHUNK: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP: tl.constexpr, HAS_MEAN: tl.constexpr, TOKEN_SCALING: tl.constexpr,
     CLIP: tl.constexpr, CLIP_I0: tl.constexpr, CLIP_I1: tl.constexpr, SCALE_DTYPE: tl.constexpr,
 ):
@@ -101,53 +155,64 @@ def _quantize_pack_kernel(
         tok_ok = tok < n_tokens
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    valid = tok_ok[:, None] & col_ok[None, :]
 
+    norm_b = norm_ptr + b * snb
     if TOKEN_SCALING:
-        # Sum of squares in fp64 like QuantizedStream.transform (which must agree with its tensor-parallel form).
-        sumsq = tl.zeros((BLOCK_T,), dtype=tl.float64)
-        for h in range(H):
-            xr = _rotate(x_ptr + b * sxb + h * sxh, sxt, mean_ptr + h * D, rot_ptr, tok, tok_ok, cols, col_ok,
-                         D, BLOCK_T, BLOCK_D, CHUNK, HAS_MEAN).to(tl.float64)
-            sumsq += tl.sum(xr * xr, axis=1)
-        norm = _to_scale_dtype(tl.sqrt(sumsq).to(tl.float32), SCALE_DTYPE)
-        tl.store(norm_ptr + b * snb + tok, norm.to(SCALE_DTYPE), mask=tok_ok)
-        norm = tl.where(norm > 0.0, norm, 1.0)  # a zero norm is stored (the row reads back as zeros), divides by 1
+        # The omni-token norms, SUB_T tokens at a time: sum of squares over heads in fp64 like
+        # QuantizedStream.transform (which must agree with its tensor-parallel form), stored in the scale dtype;
+        # the passes below read them back.
+        for s0 in range(0, BLOCK_T, SUB_T):
+            sub = s0 + tl.arange(0, SUB_T)
+            if AXIS_CHANNEL:
+                tok_s = tile * GROUP + sub
+                ok_s = (sub < GROUP) & (tok_s < n_tokens)
+            else:
+                tok_s = tile * BLOCK_T + sub
+                ok_s = tok_s < n_tokens
+            sumsq = tl.zeros((SUB_T,), dtype=tl.float64)
+            for h in range(H):
+                xr = _rotate(x_ptr + b * sxb + h * sxh, sxt, mean_ptr + h * D, rot_ptr + h * r_zero, tok_s, ok_s,
+                             cols, col_ok, D, SUB_T, BLOCK_D, CHUNK, HAS_MEAN).to(tl.float64)
+                sumsq += tl.sum(xr * xr, axis=1)
+            norm = _to_scale_dtype(tl.sqrt(sumsq).to(tl.float32), SCALE_DTYPE)
+            tl.store(norm_b + tok_s, norm.to(SCALE_DTYPE), mask=ok_s)
+        tl.debug_barrier()  # the norms are read back by other threads of the program
 
     for h in range(H):
-        xr = _rotate(x_ptr + b * sxb + h * sxh, sxt, mean_ptr + h * D, rot_ptr, tok, tok_ok, cols, col_ok,
-                     D, BLOCK_T, BLOCK_D, CHUNK, HAS_MEAN)
-        if TOKEN_SCALING:
-            xr = tl.div_rn(xr, norm[:, None])
-        if CLIP:
-            # The linear-interpolated quantile of |row| (transforms.row_quantile): order statistics CLIP_I0 and
-            # CLIP_I1 = CLIP_I0 + 1 (or the same); padded columns count as +inf so they sort last.
-            a_bits = tl.where(col_ok[None, :], tl.abs(xr), float("inf")).to(tl.int32, bitcast=True)
-            b0 = _kth_smallest(a_bits, CLIP_I0, BLOCK_T)
-            if CLIP_I1 == CLIP_I0:
-                b1 = b0
-            else:  # the next order statistic: b0 again if it repeats, else the smallest value above it
-                repeats = tl.sum((a_bits <= b0[:, None]).to(tl.int32), axis=1) >= CLIP_I1 + 1
-                b1 = tl.where(repeats, b0, tl.min(tl.where(a_bits > b0[:, None], a_bits, 0x7F800000), axis=1))
-            q0 = b0.to(tl.float32, bitcast=True)
-            q1 = b1.to(tl.float32, bitcast=True)
-            tau = (q0 * (1.0 - clip_frac) + q1 * clip_frac)[:, None]
-            # transforms.CLIP_FLOOR: never below that fraction of the row's largest |x| (no row is erased)
-            row_max = tl.max(tl.where(col_ok[None, :], tl.abs(xr), 0.0), axis=1)
-            tau = tl.maximum(tau, clip_floor * row_max[:, None])
-            xr = tl.minimum(tl.maximum(xr, -tau), tau)
-
+        x_h = x_ptr + b * sxb + h * sxh
+        codes_h = codes_ptr + b * scb + h * sch
         if AXIS_CHANNEL:
-            lo = tl.min(tl.where(valid, xr, float("inf")), axis=0)
-            hi = tl.max(tl.where(valid, xr, float("-inf")), axis=0)
+            # One (lo, scale) per channel over the group's tokens, taken SUB_T tokens at a time (a whole 128-token
+            # group in registers spilled), then the codes of the same sub-tiles, transformed again.
+            lo = tl.full((BLOCK_D,), float("inf"), dtype=tl.float32)
+            hi = tl.full((BLOCK_D,), float("-inf"), dtype=tl.float32)
+            group_end = tl.minimum(n_tokens - tile * GROUP, GROUP)
+            for s0 in range(0, group_end, SUB_T):
+                sub = s0 + tl.arange(0, SUB_T)
+                tok_s = tile * GROUP + sub
+                ok_s = (sub < GROUP) & (tok_s < n_tokens)
+                xr = _transformed(x_h, sxt, mean_ptr + h * D, rot_ptr + (h + s0) * r_zero, tok_s, ok_s, cols,
+                                  col_ok, norm_b, clip_frac, clip_floor, D, SUB_T, BLOCK_D, CHUNK, HAS_MEAN,
+                                  TOKEN_SCALING, CLIP, CLIP_I0, CLIP_I1)
+                valid = ok_s[:, None] & col_ok[None, :]
+                lo = tl.minimum(lo, tl.min(tl.where(valid, xr, float("inf")), axis=0))
+                hi = tl.maximum(hi, tl.max(tl.where(valid, xr, float("-inf")), axis=0))
             lo_s = _to_scale_dtype(lo, SCALE_DTYPE)
             scale_s = _to_scale_dtype(tl.div_rn(hi - lo, 3.0), SCALE_DTYPE)
             soff = b * ssb + h * ssh + tile * sst + cols
             tl.store(scale_ptr + soff, scale_s.to(SCALE_DTYPE), mask=col_ok)
             tl.store(lo_ptr + soff, lo_s.to(SCALE_DTYPE), mask=col_ok)
-            lo_c = lo_s[None, :]
-            scale_c = scale_s[None, :]
+            for s0 in range(0, group_end, SUB_T):
+                sub = s0 + tl.arange(0, SUB_T)
+                tok_s = tile * GROUP + sub
+                ok_s = (sub < GROUP) & (tok_s < n_tokens)
+                xr = _transformed(x_h, sxt, mean_ptr + h * D, rot_ptr, tok_s, ok_s, cols, col_ok, norm_b, clip_frac,
+                                  clip_floor, D, SUB_T, BLOCK_D, CHUNK, HAS_MEAN, TOKEN_SCALING, CLIP, CLIP_I0,
+                                  CLIP_I1)
+                _store_codes(codes_h, sct, xr, lo_s[None, :], scale_s[None, :], tok_s, ok_s, D, SUB_T, BLOCK_D)
         else:
+            xr = _transformed(x_h, sxt, mean_ptr + h * D, rot_ptr, tok, tok_ok, cols, col_ok, norm_b, clip_frac,
+                              clip_floor, D, BLOCK_T, BLOCK_D, CHUNK, HAS_MEAN, TOKEN_SCALING, CLIP, CLIP_I0, CLIP_I1)
             lo_c = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
             scale_c = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
             for g in tl.static_range(D // GROUP):
@@ -161,17 +226,7 @@ def _quantize_pack_kernel(
                 tl.store(lo_ptr + soff, lo_s.to(SCALE_DTYPE), mask=tok_ok)
                 lo_c = tl.where(in_g[None, :], lo_s[:, None], lo_c)
                 scale_c = tl.where(in_g[None, :], scale_s[:, None], scale_c)
-
-        safe = tl.where(scale_c > 0.0, scale_c, 1.0)
-        code = tl.where(scale_c > 0.0, _round_half_even(tl.div_rn(xr - lo_c, safe)), 0.0)
-        code = tl.minimum(tl.maximum(code, 0.0), 3.0).to(tl.int32)
-        # Pack channel 4j+i into bits 2i of byte j (the order of hf_kvint2.quant.pack_int2).
-        quads = tl.reshape(code, (BLOCK_T, BLOCK_D // 4, 4))
-        shifts = (tl.arange(0, 4) * 2)[None, None, :]
-        packed = tl.sum(quads << shifts, axis=2).to(tl.uint8)
-        bcols = tl.arange(0, BLOCK_D // 4)
-        coff = b * scb + h * sch + tok[:, None] * sct + bcols[None, :]
-        tl.store(codes_ptr + coff, packed, mask=tok_ok[:, None] & (bcols < D // 4)[None, :])
+            _store_codes(codes_h, sct, xr, lo_c, scale_c, tok, tok_ok, D, BLOCK_T, BLOCK_D)
 
 
 def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, *, axis: str,
@@ -213,22 +268,26 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
     launch = {}
     if axis == "channel":
         block_t, tiles = max(16, triton.next_power_of_2(group_size)), n // group_size
-        # A tile is a whole token group: [128, head_dim] fp32 for calibrated per-channel layouts. Compiled for
-        # sm_80/sm_90 (benchmarks/triton_aot.py) with 4 warps and 3 stages it needed 210 KiB of shared memory at
-        # head_dim 128 (over an A100's 163 KiB, so it could not launch) and more at 256: no pipelining over heads,
-        # and one warp per 2048 tile elements (up to 16).
-        launch = {"num_stages": 1, "num_warps": max(4, min(16, block_t * block_d // 2048))}
+        # A tile is a whole token group, transformed SUB_T tokens at a time: [SUB_T, head_dim] fp32 of about 4096
+        # values (32 tokens at head_dim 128). Whole 128-token groups at head_dim 128 spilled 1.5-1.9 KiB on sm_90
+        # (255 registers, 8 warps) and 21 KiB on sm_80; groups of 32 with 8 warps fit (benchmarks/triton_aot.py).
+        # No pipelining over heads (with 3 stages a 128-token tile needed 210 KiB of shared memory at head_dim 128).
+        sub_t = min(block_t, max(16, 4096 // block_d))
+        launch = {"num_stages": 1, "num_warps": max(4, min(16, sub_t * block_d // 512))}
     else:
-        block_t = 16
+        block_t = sub_t = 16
         tiles = triton.cdiv(n, block_t)
+        # 8 warps at head_dim 256: with 4 the clipped layouts spilled 32 B on sm_90 (254 registers), with 8 they
+        # take 107 and do not; 4 up to head_dim 128.
+        launch = {"num_warps": max(4, min(16, block_t * block_d // 512))}
     _quantize_pack_kernel[(b, tiles)](
         x, x.stride(0), x.stride(1), x.stride(2),
         mean_t, rot,
         codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, lo, scale.stride(0), scale.stride(1), scale.stride(2),
         norm if norm is not None else scale, norm.stride(0) if norm is not None else 0,
-        h, n, pos - i0, CLIP_FLOOR,
-        D=d, BLOCK_D=block_d, BLOCK_T=block_t, CHUNK=min(32, block_d),
+        h, n, pos - i0, CLIP_FLOOR, 0,
+        D=d, BLOCK_D=block_d, BLOCK_T=block_t, SUB_T=sub_t, CHUNK=min(32, block_d),
         AXIS_CHANNEL=axis == "channel", GROUP=group_size, HAS_MEAN=mean is not None, TOKEN_SCALING=token_scaling,
         CLIP=clip_on, CLIP_I0=i0, CLIP_I1=min(i0 + 1, d - 1), SCALE_DTYPE=_TL_DTYPE[scale_dtype],
         **launch,

@@ -126,6 +126,9 @@ def test_quantize_stream_matches_layer_transform(name):
     ("token", 16, 0.92, False, torch.bfloat16, 64, 5),   # several groups per token, bf16 scales, odd token count
     ("channel", 8, 0.9, True, torch.float32, 32, 16),    # clip + norms on per-channel groups, two token groups
     ("token", 96, None, True, torch.float16, 96, 3),     # head_dim that is not a power of two
+    # norms stored in bf16 and read back; 32-token groups at head_dim 256 taken as two SUB_T = 16 sub-tiles
+    ("channel", 32, None, True, torch.bfloat16, 256, 64),
+    ("token", 32, 0.9, True, torch.bfloat16, 64, 21),    # bf16 norms on per-token groups with a clip
 ])
 def test_quantize_tokens_settings(axis, group, clip, token_scaling, scale_dtype, d, n):
     x, _ = kv(n, seed=3, d=d)
