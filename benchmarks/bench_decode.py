@@ -1,4 +1,5 @@
-"""CPU decode benchmark: ms per generated token and peak process memory, SmolLM2-135M in fp32.
+"""CPU decode benchmark: ms per generated token and peak process memory, SmolLM2-135M in fp32 (or, with
+``--model synthetic``, a Llama with SmolLM2-135M's shapes, random weights and 32k positions, for a 32k context).
 
 Caches: transformers' DynamicCache and QuantizedCache(backend="hqq", nbits=2), and OscarCache / OscarScaledCache
 on the portable path (model with attn_implementation="sdpa") and on the fused path ("oscar").
@@ -8,10 +9,12 @@ cache fill and decode. The cache is filled with random K/V for every layer (deco
 values, and a real 8k-token prefill at batch 8 takes many minutes on a 2-core CPU): layer 0 in chunks of 1024
 tokens, copied to every layer; then
 ``--warmup`` decode steps (untimed: the first compiles the Numba kernel and switches the layers to the fused path)
-and ``--steps`` timed ones; the median step time is reported. Ratios are against DynamicCache from the same run.
+and ``--steps`` timed ones; the median step time is reported (wall clock, and the process's CPU time, which a
+shared machine disturbs less: one thread). Ratios are against DynamicCache from the same run.
 
     python benchmarks/bench_decode.py                       # batch 1, 8 x context 2k, 8k -> results/decode_cpu.*
     python benchmarks/bench_decode.py --batches 8 --contexts 8192 --steps 5
+    python benchmarks/bench_decode.py --model synthetic --cases 1x2048 1x8192 1x32768 8x8192 --threads 1
 """
 
 from __future__ import annotations
@@ -36,21 +39,24 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed: int, threads: int) -> dict:
+def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed: int, threads: int,
+           model_name: str = "smollm2") -> dict:
     import warnings
 
     import torch
     from transformers import DynamicCache, QuantizedCache
 
     import hf_kvint2
-    from hf_kvint2.models import load_smollm2
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from speedlib import load_model
 
     warnings.simplefilter("ignore")  # the portable-path warning is expected here
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     fused = config.endswith("-fused")
-    model, _ = load_smollm2(torch.float32, attn_implementation=hf_kvint2.ATTN_IMPLEMENTATION if fused else "sdpa")
+    model = load_model(model_name, hf_kvint2.ATTN_IMPLEMENTATION if fused else "sdpa")
     cfg = model.config
     rss_model = _rss_mib()
     if config == "dynamic":
@@ -62,7 +68,9 @@ def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed:
     else:
         cache = hf_kvint2.OscarScaledCache(config=cfg)
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    oscar_layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, hf_kvint2.OscarLayer)]
+    from hf_kvint2.layers import OscarLayer
+
+    oscar_layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, OscarLayer)]
     for layer in oscar_layers:  # the fill discards update()'s return value: skip building the full view
         layer.fused_attention = True
     chunk = 1024
@@ -79,22 +87,24 @@ def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed:
                 cache.layers[idx] = layer
             else:
                 cache.layers.append(layer)
-    oscar_layers = [layer for layer in cache.layers if isinstance(layer, hf_kvint2.OscarLayer)]
+    oscar_layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
     fill_s = time.perf_counter() - t0
     for layer in oscar_layers:  # portable configs read the full view; fused ones read the codes
         layer.fused_attention = fused
     tokens = torch.randint(0, cfg.vocab_size, (batch, 1))
-    times = []
+    times, cpu_times = [], []
     with torch.no_grad():
         for i in range(warmup + steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
             tokens = logits[:, -1:].argmax(-1)
             if i >= warmup:
                 times.append((time.perf_counter() - t) * 1e3)
+                cpu_times.append((time.process_time() - c) * 1e3)
     return {"config": config, "batch": batch, "context": context, "ms_per_token": statistics.median(times),
-            "ms_all_steps": times, "peak_rss_mib": _rss_mib(), "rss_after_model_load_mib": rss_model,
-            "fill_s": fill_s, "threads": torch.get_num_threads()}
+            "ms_all_steps": times, "cpu_ms_per_token": statistics.median(cpu_times), "cpu_ms_all_steps": cpu_times,
+            "peak_rss_mib": _rss_mib(), "rss_after_model_load_mib": rss_model, "fill_s": fill_s,
+            "threads": torch.get_num_threads(), "model": model_name}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -104,20 +114,26 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = sorted({(r["batch"], r["context"]) for r in results})
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in results)]
+    # one thread: the process's CPU time per step (a shared machine inflates wall time unevenly); else wall time
+    key = "cpu_ms_per_token" if all(r.get("threads") == 1 and "cpu_ms_per_token" in r for r in results) \
+        else "ms_per_token"
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(CONFIGS)
-    for ci, config in enumerate(CONFIGS):
+    width = 0.8 / len(configs)
+    for ci, config in enumerate(configs):
         rows = {(r["batch"], r["context"]): r for r in results if r["config"] == config}
         xs = [i + ci * width for i in range(len(cases))]
-        axes[0].bar(xs, [rows[c]["ms_per_token"] if c in rows else 0 for c in cases], width, label=config)
+        axes[0].bar(xs, [rows[c][key] if c in rows else 0 for c in cases], width, label=config)
         axes[1].bar(xs, [rows[c]["peak_rss_mib"] if c in rows else 0 for c in cases], width, label=config)
-    for ax, title in zip(axes, ("decode ms / token (lower is better)", "peak process memory, MiB")):
+    unit = "CPU ms" if key == "cpu_ms_per_token" else "ms"
+    for ax, title in zip(axes, (f"decode {unit} / token (lower is better)", "peak process memory, MiB")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels([f"batch {b}\n{c // 1024}k ctx" for b, c in cases])
         ax.set_title(title)
         ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M fp32 decode on CPU (hf_kvint2 benchmarks/bench_decode.py)")
+    fig.suptitle(f"{results[0].get('model', 'smollm2')} (SmolLM2-135M shapes) fp32 decode on CPU "
+                 "(hf_kvint2 benchmarks/bench_decode.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -127,6 +143,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (default 1 8)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192],
                     help="cached tokens before the timed steps (default 2048 8192)")
+    ap.add_argument("--cases", nargs="+", metavar="BATCHxCONTEXT",
+                    help="explicit (batch, context) cases instead of --batches x --contexts, e.g. 1x2048 8x8192")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
                     help="cache and attention path: dynamic = DynamicCache, hqq = QuantizedCache(hqq, 2 bits), "
                          "oscar-* = OscarCache, scaled-* = OscarScaledCache; -portable with sdpa, -fused with "
@@ -139,22 +157,30 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json",
                     help="result JSON; a PNG of the same name is written next to it (default "
                          "benchmarks/results/decode_cpu.json)")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"),
+                    help="smollm2: the bundled SmolLM2-135M; synthetic: its shapes, random weights, 32k positions "
+                         "(for contexts past 8192)")
     ap.add_argument("--worker", nargs=3, metavar=("CONFIG", "BATCH", "CONTEXT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         config, batch, context = args.worker
         print(json.dumps(worker(config, int(batch), int(context), args.steps, args.warmup, args.seed,
-                                args.threads)))
+                                args.threads, args.model)))
         return
 
     from tqdm import tqdm
 
-    jobs = [(c, b, t) for b in args.batches for t in args.contexts for c in args.configs]
+    load_start = os.getloadavg()[0]
+    cases = ([tuple(int(x) for x in case.lower().split("x")) for case in args.cases] if args.cases else
+             [(b, t) for b in args.batches for t in args.contexts])
+    jobs = [(c, b, t) for b, t in cases for c in args.configs]
     results = []
     for config, batch, context in tqdm(jobs, desc="decode benchmark"):
         cmd = [sys.executable, __file__, "--worker", config, str(batch), str(context), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+               "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads),
+               "--model", args.model]
+        env = {**os.environ, **({"NUMBA_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         if proc.returncode:
             raise RuntimeError(f"{config} batch={batch} context={context} failed:\n{proc.stderr[-3000:]}")
         row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -166,6 +192,7 @@ def main() -> None:
                      and r["context"] == row["context"]), None)
         if base is not None:
             row["speed_vs_dynamic"] = base["ms_per_token"] / row["ms_per_token"]
+            row["cpu_speed_vs_dynamic"] = base["cpu_ms_per_token"] / row["cpu_ms_per_token"]
             row["memory_vs_dynamic"] = row["peak_rss_mib"] / base["peak_rss_mib"]
         hqq = next((r for r in results if r["config"] == "hqq" and r["batch"] == row["batch"]
                     and r["context"] == row["context"]), None)
@@ -173,18 +200,21 @@ def main() -> None:
             row["speed_vs_hqq"] = hqq["ms_per_token"] / row["ms_per_token"]
     import torch
 
-    meta = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "steps": args.steps, "warmup": args.warmup,
+    model = {"smollm2": "SmolLM2-135M-Instruct", "synthetic": "Llama with SmolLM2-135M shapes, random weights"}
+    meta = {"model": model[args.model], "dtype": "float32", "steps": args.steps, "warmup": args.warmup,
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "cache_fill": "random K/V for layer 0 in chunks of 1024 tokens, copied to every layer",
-            "load_average_at_start": os.getloadavg()[0], "threads": args.threads or "torch default", "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+            "load_average_at_start": load_start, "threads": args.threads or "torch default",
+            "load_average_at_end": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     png = args.out.with_suffix(".png")
     plot(results, png)
     print(f"wrote {args.out} and {png}")
     for row in results:
-        extra = "".join(f", {k} {row[k]:.2f}" for k in ("speed_vs_dynamic", "memory_vs_dynamic", "speed_vs_hqq")
+        extra = "".join(f", {k} {row[k]:.2f}" for k in ("speed_vs_dynamic", "cpu_speed_vs_dynamic",
+                                                          "memory_vs_dynamic", "speed_vs_hqq")
                         if k in row)
         print(f"{row['config']:16s} b={row['batch']} ctx={row['context']:5d}: {row['ms_per_token']:8.1f} ms/token, "
               f"peak {row['peak_rss_mib']:6.0f} MiB{extra}")

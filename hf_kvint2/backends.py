@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 from . import cpu_kernels, kernels
 from .read_path import BodyPartial, body_partial_blocked
+from .recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
+from .stream import QuantizedStream, StreamCodec
+from .transforms import block_hadamard_matrix
 
 CPU_KERNEL_ENV = "HF_KVINT2_CPU_KERNEL"  # "torch" forces the PyTorch body on CPU (default: Numba when installed)
 
@@ -58,3 +61,33 @@ def select_body_partial(device, traceable: bool = False, differentiable: bool = 
                 BODY_BACKENDS["numba"].available():
             return BODY_BACKENDS["numba"]
     return BODY_BACKENDS["torch"]
+
+
+def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
+    """Compile (or load from Numba's disk cache) the CPU body kernel for the default layouts of ``OscarCache``
+    and ``OscarScaledCache`` at each head_dim, so that the first fused step of a model does not wait for it.
+    Returns the (head_dim, key layout, value layout) compiled. ``python -m hf_kvint2.backends`` runs it."""
+    import torch
+
+    if not cpu_kernels.available():
+        raise ImportError("The CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
+    done = []
+    for d in head_dims:
+        for recipe in (oscar_recipe(), oscar_scaled_recipe()):
+            streams = []
+            for layout in (recipe.key, recipe.value):
+                group = layout.group_for(d)
+                codec = StreamCodec(GroupLayout(layout.axis, group, None, layout.token_scaling), group,
+                                    block_hadamard_matrix(d), None, recipe.scale_dtype)
+                stream = QuantizedStream(codec)
+                stream.append(torch.randn(1, 1, max(group, 4), d))
+                streams.append(stream.read())
+            cpu_kernels.body_attention(torch.randn(1, 1, 1, d), *streams, scaling=d ** -0.5)
+            done.append((d, recipe.key, recipe.value))
+    return done
+
+
+if __name__ == "__main__":
+    for d, key, value in precompile_cpu_kernels():
+        print(f"compiled the CPU body kernel: head_dim={d}, keys {key.axis}/{key.group_size}, values "
+              f"{value.axis}/{value.group_size}")

@@ -1,24 +1,39 @@
 """Numba CPU kernel for the INT2 body partial attention (optional: ``pip install '.[cpu]'`` in a clone).
 
 Same contract as :func:`hf_kvint2.read_path.body_partial_blocked` (its PyTorch fallback; registered in
-:mod:`hf_kvint2.backends`). One
-parallel task per (batch row, KV head): each token's codes are read and dequantized once (in the rotated space)
-for all query rows of its GQA group (``groups * query_len`` rows), scores go to a per-task buffer of
-``rows x tokens`` floats, then a second pass accumulates the softmax-weighted values, still in the rotated space.
+:mod:`hf_kvint2.backends`). The query rows of one KV head (``groups * query_len``, padded to a multiple of four)
+are scored together: key scores come from a per-(row, KV head) table of ``q . codes`` for every byte value (d/4
+lookups per token), value weights are summed into per-byte buckets and expanded once. Split-K: the body's tokens
+are cut into splits (:func:`split_tokens`: at batch 1 a step would otherwise have as many parallel tasks as KV
+heads), one parallel task per (batch row, KV head, split) writes an unnormalised partial softmax, and the splits
+are merged by log-sum-exp. The kernel is compiled per head_dim and pair of layouts, so that its loop bounds are
+constants (about 3x faster inner loops than with runtime bounds), and cached on disk (``NUMBA_CACHE_DIR``).
 Nothing of the size of a layer's full-precision K/V history is allocated.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+import time
+import warnings
 
 import numpy as np
 import torch
 
 from .read_path import mask_to_additive
 
+# Split-K (cpu_kernels.split_tokens): parallel tasks the body is split into when batch x KV heads is fewer, the
+# fewest tokens of a split, and the query rows per KV head above which the body is not split.
+SPLIT_TASKS = 8
+SPLIT_MIN_TOKENS = 512
+SPLIT_MAX_ROWS = 64
+
 _NUMBA = importlib.util.find_spec("numba") is not None
+# A first call slower than this (the kernel was compiled, not loaded from Numba's disk cache) warns once.
+JIT_NOTICE_S = 3.0
+_called: set[tuple] = set()  # kernel specialisations already run in this process
 
 
 def available() -> bool:
@@ -31,119 +46,158 @@ if _NUMBA:
 
     # No 'nnan'/'ninf' fast-math flags: masked scores are -inf.
     _FASTMATH = {"reassoc", "contract", "arcp", "nsz"}
-    LANES = 4  # query rows are padded to a multiple of this so the inner loops vectorize
 
-    @numba.njit(inline="always", fastmath=_FASTMATH)
-    def _code(byte, i):  # pragma: no cover - compiled
-        return np.float32((byte >> (2 * i)) & 3)
+    _CODES = np.array([[(byte >> (2 * i)) & 3 for i in range(4)] for byte in range(256)], np.float32)
+    LANES = 4  # query rows are padded to a multiple of this: four rows per pass, in registers
+
+
+@functools.cache
+def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v_group: int):
+    """The body kernel for one head_dim and pair of layouts: loop bounds are compile-time constants, so the
+    per-token loops unroll and the four query rows of a pass vectorize (3x faster than runtime bounds)."""
+    d4 = d // 4
+    k_groups, k_gbytes = (d // k_group, k_group // 4) if k_token_axis else (1, d4)
+    v_groups, v_gbytes = (d // v_group, v_group // 4) if v_token_axis else (1, d4)
+    lut_rows = d4 * 256 if k_token_axis else 0
+    bucket_rows = d4 * 256 if v_token_axis else 0
+    codes_table = _CODES
 
     @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-    def _body_attention_kernel(q, bias, mask, query_len, kc, ks, kl, kn, k_token_axis, k_group,
-                               vc, vs, vl, vn, v_token_axis, v_group, n, out, lse):  # pragma: no cover - compiled
-        # q: [B, H, RP, D] with RP a multiple of LANES (padding rows are zeros and are discarded by the caller).
-        b_size, h_size, rp, d = q.shape
-        d4 = d // 4
+    def kernel(q, bias, mask, query_len, kc, ks, kl, kn, vc, vs, vl, vn, n, split, out, lse):  # pragma: no cover
+        # q: [B, H, RP, D], RP a multiple of LANES (padding rows are zeros; the caller drops them). Body tokens
+        # [0, n) in splits of `split` tokens: one parallel task per (row, head, split) writes an unnormalised
+        # partial; the splits are merged by log-sum-exp per (row, head).
+        b_size, h_size, rp = q.shape[0], q.shape[1], q.shape[2]
+        nbh = b_size * h_size
         n_chunks = rp // LANES
-        has_mask = mask.shape[1] > 0
+        n_splits = max(1, -(-n // split))
         mask_rows = mask.shape[1]
         has_kn = kn.shape[1] > 0
         has_vn = vn.shape[1] > 0
         neg_inf = np.float32(-np.inf)
-        for task in numba.prange(b_size * h_size):
-            b = task // h_size
-            h = task % h_size
-            qt = q[b, h]
-            scores = np.empty((n, rp), np.float32)  # [token, query row]
-            x = np.empty(d, np.float32)
-            # ---- scores
-            if k_token_axis:
-                # lut[j * 256 + byte, r] = q_r . (codes in byte j): a token's dot product is d/4 lookups per group.
-                lut = np.empty((d4 * 256, rp), np.float32)
+        one = np.float32(1.0)
+        table = codes_table
+        # ---- per (row, head): lut[j * 256 + byte, r] = q_r . (codes in byte j); q sums per key group
+        lut = np.empty((nbh, lut_rows, rp), np.float32)
+        qsum = np.zeros((nbh, k_groups, rp), np.float32)
+        if k_token_axis:
+            for bh in numba.prange(nbh):
+                qt = q[bh // h_size, bh % h_size]
+                lt = lut[bh]
                 for j in range(d4):
                     for byte in range(256):
+                        c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
                         for r in range(rp):
-                            lut[j * 256 + byte, r] = (qt[r, 4 * j] * _code(byte, 0) + qt[r, 4 * j + 1] * _code(byte, 1)
-                                                      + qt[r, 4 * j + 2] * _code(byte, 2)
-                                                      + qt[r, 4 * j + 3] * _code(byte, 3))
-                n_groups = d // k_group
-                gbytes = k_group // 4
-                qsum = np.zeros((n_groups, rp), np.float32)
+                            lt[j * 256 + byte, r] = (qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
+                                                     + qt[r, 4 * j + 2] * c2 + qt[r, 4 * j + 3] * c3)
                 for r in range(rp):
                     for c in range(d):
-                        qsum[c // k_group, r] += qt[r, c]
-                kct, kst, klt = kc[b, h], ks[b, h], kl[b, h]
+                        qsum[bh, c // k_group, r] += qt[r, c]
+        part_m = np.empty((nbh, n_splits, rp), np.float32)
+        part_l = np.empty((nbh, n_splits, rp), np.float32)
+        bucket = np.zeros((nbh, n_splits, bucket_rows, rp), np.float32)
+        part_lo = np.zeros((nbh, n_splits, v_groups, rp), np.float32)
+        part_acc = np.zeros((nbh, n_splits, 0 if v_token_axis else rp, d), np.float32)
+        for task in numba.prange(nbh * n_splits):
+            bh = task // n_splits
+            s = task % n_splits
+            b = bh // h_size
+            h = bh % h_size
+            t0 = s * split
+            t1 = min(n, t0 + split)
+            ns = max(t1 - t0, 0)
+            qt = q[b, h]
+            scores = np.empty((ns, rp), np.float32)  # [token, query row]
+            x = np.empty(d, np.float32)
+            kct, kst, klt = kc[b, h], ks[b, h], kl[b, h]
+            # ---- scores
+            if k_token_axis:
+                lt = lut[bh]
+                qs = qsum[bh]
                 for rc in range(n_chunks):  # four query rows in registers; codes re-read per chunk of rows
                     r0 = rc * LANES
-                    for t in range(n):
+                    for t in range(t0, t1):
                         s0 = s1 = s2 = s3 = np.float32(0.0)
-                        for gi in range(n_groups):
+                        for gi in range(k_groups):
                             a0 = a1 = a2 = a3 = np.float32(0.0)
-                            for j in range(gi * gbytes, (gi + 1) * gbytes):
+                            for jj in range(k_gbytes):
+                                j = gi * k_gbytes + jj
                                 row = j * 256 + kct[t, j]
-                                a0 += lut[row, r0]
-                                a1 += lut[row, r0 + 1]
-                                a2 += lut[row, r0 + 2]
-                                a3 += lut[row, r0 + 3]
+                                a0 += lt[row, r0]
+                                a1 += lt[row, r0 + 1]
+                                a2 += lt[row, r0 + 2]
+                                a3 += lt[row, r0 + 3]
                             sc = kst[t, gi]
                             off = klt[t, gi]
-                            s0 += sc * a0 + off * qsum[gi, r0]
-                            s1 += sc * a1 + off * qsum[gi, r0 + 1]
-                            s2 += sc * a2 + off * qsum[gi, r0 + 2]
-                            s3 += sc * a3 + off * qsum[gi, r0 + 3]
-                        norm = kn[b, t] if has_kn else np.float32(1.0)
-                        scores[t, r0] = s0 * norm + bias[b, h, r0]
-                        scores[t, r0 + 1] = s1 * norm + bias[b, h, r0 + 1]
-                        scores[t, r0 + 2] = s2 * norm + bias[b, h, r0 + 2]
-                        scores[t, r0 + 3] = s3 * norm + bias[b, h, r0 + 3]
+                            s0 += sc * a0 + off * qs[gi, r0]
+                            s1 += sc * a1 + off * qs[gi, r0 + 1]
+                            s2 += sc * a2 + off * qs[gi, r0 + 2]
+                            s3 += sc * a3 + off * qs[gi, r0 + 3]
+                        norm = kn[b, t] if has_kn else one
+                        i = t - t0
+                        scores[i, r0] = s0 * norm + bias[b, h, r0]
+                        scores[i, r0 + 1] = s1 * norm + bias[b, h, r0 + 1]
+                        scores[i, r0 + 2] = s2 * norm + bias[b, h, r0 + 2]
+                        scores[i, r0 + 3] = s3 * norm + bias[b, h, r0 + 3]
             else:
-                # Per-channel groups: dequantize each token once (rotated space), dot with every query row.
-                for t in range(n):
-                    row = t // k_group
+                # Per-channel groups: q . (code * scale + lo) = (q * scale) . code + q . lo, with q * scale and q . lo
+                # once per group of k_group tokens; each token's codes are unpacked once for every query row.
+                q_scaled = np.empty((rp, d), np.float32)
+                q_lo = np.empty(rp, np.float32)
+                for t in range(t0, t1):
+                    if t == t0 or t % k_group == 0:
+                        row = t // k_group
+                        for r in range(rp):
+                            acc = np.float32(0.0)
+                            for c in range(d):
+                                q_scaled[r, c] = qt[r, c] * kst[row, c]
+                                acc += qt[r, c] * klt[row, c]
+                            q_lo[r] = acc
                     for j in range(d4):
-                        byte = kc[b, h, t, j]
+                        byte = kct[t, j]
                         for i in range(4):
-                            c = 4 * j + i
-                            x[c] = _code(byte, i) * ks[b, h, row, c] + kl[b, h, row, c]
-                    norm = kn[b, t] if has_kn else np.float32(1.0)
+                            x[4 * j + i] = table[byte, i]
+                    norm = kn[b, t] if has_kn else one
                     for r in range(rp):
                         acc = np.float32(0.0)
                         for c in range(d):
-                            acc += qt[r, c] * x[c]
-                        scores[t, r] = acc * norm + bias[b, h, r]
-            if has_mask:
-                for t in range(n):
+                            acc += q_scaled[r, c] * x[c]
+                        scores[t - t0, r] = (acc + q_lo[r]) * norm + bias[b, h, r]
+            if mask_rows > 0:
+                for t in range(t0, t1):
                     for r in range(rp):
-                        scores[t, r] += mask[b, (r % query_len) if mask_rows > 1 else 0, t]
-            # ---- softmax (unnormalised weights in place)
+                        scores[t - t0, r] += mask[b, (r % query_len) if mask_rows > 1 else 0, t]
+            # ---- softmax of the split (unnormalised weights in place)
             row_max = np.full(rp, neg_inf, np.float32)
             row_sum = np.zeros(rp, np.float32)
-            for t in range(n):
+            for i in range(ns):
                 for r in range(rp):
-                    row_max[r] = max(row_max[r], scores[t, r])
+                    row_max[r] = max(row_max[r], scores[i, r])
             ref = np.zeros(rp, np.float32)
             for r in range(rp):
                 if row_max[r] != neg_inf:
                     ref[r] = row_max[r]
-            for t in range(n):
+            for i in range(ns):
                 for r in range(rp):
-                    p = np.float32(math.exp(scores[t, r] - ref[r]))
-                    scores[t, r] = p
+                    p = np.float32(math.exp(scores[i, r] - ref[r]))
+                    scores[i, r] = p
                     row_sum[r] += p
+            for r in range(rp):
+                part_m[bh, s, r] = row_max[r]
+                part_l[bh, s, r] = row_sum[r]
             # ---- values, rotated space
-            acc_v = np.zeros((rp, d), np.float32)
+            vct, vst, vlt = vc[b, h], vs[b, h], vl[b, h]
             if v_token_axis:
-                # bucket[j * 256 + byte, r] sums the weights of tokens whose byte j is `byte`; expanded at the end.
-                bucket = np.zeros((d4 * 256, rp), np.float32)
-                n_groups = d // v_group
-                gbytes = v_group // 4
-                lo_acc = np.zeros((n_groups, rp), np.float32)
-                vct, vst, vlt = vc[b, h], vs[b, h], vl[b, h]
+                # bucket[j * 256 + byte, r] sums the weights of tokens whose byte j is `byte` (expanded at the merge)
+                bt = bucket[bh, s]
+                lo_acc = part_lo[bh, s]
                 for rc in range(n_chunks):
                     r0 = rc * LANES
-                    for t in range(n):
-                        norm = vn[b, t] if has_vn else np.float32(1.0)
-                        p0, p1, p2, p3 = scores[t, r0], scores[t, r0 + 1], scores[t, r0 + 2], scores[t, r0 + 3]
-                        for gi in range(n_groups):
+                    for t in range(t0, t1):
+                        i = t - t0
+                        norm = vn[b, t] if has_vn else one
+                        p0, p1, p2, p3 = scores[i, r0], scores[i, r0 + 1], scores[i, r0 + 2], scores[i, r0 + 3]
+                        for gi in range(v_groups):
                             sc = vst[t, gi] * norm
                             off = vlt[t, gi] * norm
                             lo_acc[gi, r0] += p0 * off
@@ -151,44 +205,110 @@ if _NUMBA:
                             lo_acc[gi, r0 + 2] += p2 * off
                             lo_acc[gi, r0 + 3] += p3 * off
                             w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
-                            for j in range(gi * gbytes, (gi + 1) * gbytes):
+                            for jj in range(v_gbytes):
+                                j = gi * v_gbytes + jj
                                 row = j * 256 + vct[t, j]
-                                bucket[row, r0] += w0
-                                bucket[row, r0 + 1] += w1
-                                bucket[row, r0 + 2] += w2
-                                bucket[row, r0 + 3] += w3
-                for j in range(d4):
-                    for byte in range(256):
-                        for r in range(rp):
-                            w = bucket[j * 256 + byte, r]
-                            for i in range(4):
-                                acc_v[r, 4 * j + i] += w * _code(byte, i)
-                for r in range(rp):
-                    for c in range(d):
-                        acc_v[r, c] += lo_acc[c // v_group, r]
+                                bt[row, r0] += w0
+                                bt[row, r0 + 1] += w1
+                                bt[row, r0 + 2] += w2
+                                bt[row, r0 + 3] += w3
             else:
-                for t in range(n):
+                acc_v = part_acc[bh, s]
+                for t in range(t0, t1):
                     row = t // v_group
-                    norm = vn[b, t] if has_vn else np.float32(1.0)
+                    norm = vn[b, t] if has_vn else one
                     for j in range(d4):
-                        byte = vc[b, h, t, j]
+                        byte = vct[t, j]
                         for i in range(4):
                             c = 4 * j + i
-                            x[c] = (_code(byte, i) * vs[b, h, row, c] + vl[b, h, row, c]) * norm
+                            x[c] = (table[byte, i] * vst[row, c] + vlt[row, c]) * norm
                     for r in range(rp):
-                        w = scores[t, r]
+                        w = scores[t - t0, r]
                         for c in range(d):
                             acc_v[r, c] += w * x[c]
+        # ---- merge the splits by log-sum-exp; expand the value buckets once per (row, head)
+        for bh in numba.prange(nbh):
+            b = bh // h_size
+            h = bh % h_size
+            m = np.full(rp, neg_inf, np.float32)
+            for s in range(n_splits):
+                for r in range(rp):
+                    m[r] = max(m[r], part_m[bh, s, r])
+            w = np.zeros((n_splits, rp), np.float32)
+            total = np.zeros(rp, np.float32)
+            for s in range(n_splits):
+                for r in range(rp):
+                    if part_m[bh, s, r] != neg_inf:
+                        w[s, r] = np.float32(math.exp(part_m[bh, s, r] - m[r]))
+                        total[r] += w[s, r] * part_l[bh, s, r]
+            acc = np.zeros((rp, d), np.float32)
+            if v_token_axis:
+                for s in range(n_splits):
+                    bs = bucket[bh, s]
+                    for rc in range(n_chunks):
+                        r0 = rc * LANES
+                        w0, w1, w2, w3 = w[s, r0], w[s, r0 + 1], w[s, r0 + 2], w[s, r0 + 3]
+                        # channel 4j + i gets sum over bytes of (summed weight) * (code i of the byte)
+                        for j in range(d4):
+                            e00 = e01 = e02 = e03 = e10 = e11 = e12 = e13 = np.float32(0.0)
+                            e20 = e21 = e22 = e23 = e30 = e31 = e32 = e33 = np.float32(0.0)
+                            for byte in range(256):
+                                row = j * 256 + byte
+                                b0, b1, b2, b3 = bs[row, r0], bs[row, r0 + 1], bs[row, r0 + 2], bs[row, r0 + 3]
+                                c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
+                                e00 += b0 * c0
+                                e01 += b1 * c0
+                                e02 += b2 * c0
+                                e03 += b3 * c0
+                                e10 += b0 * c1
+                                e11 += b1 * c1
+                                e12 += b2 * c1
+                                e13 += b3 * c1
+                                e20 += b0 * c2
+                                e21 += b1 * c2
+                                e22 += b2 * c2
+                                e23 += b3 * c2
+                                e30 += b0 * c3
+                                e31 += b1 * c3
+                                e32 += b2 * c3
+                                e33 += b3 * c3
+                            c = 4 * j
+                            acc[r0, c] += w0 * e00
+                            acc[r0 + 1, c] += w1 * e01
+                            acc[r0 + 2, c] += w2 * e02
+                            acc[r0 + 3, c] += w3 * e03
+                            acc[r0, c + 1] += w0 * e10
+                            acc[r0 + 1, c + 1] += w1 * e11
+                            acc[r0 + 2, c + 1] += w2 * e12
+                            acc[r0 + 3, c + 1] += w3 * e13
+                            acc[r0, c + 2] += w0 * e20
+                            acc[r0 + 1, c + 2] += w1 * e21
+                            acc[r0 + 2, c + 2] += w2 * e22
+                            acc[r0 + 3, c + 2] += w3 * e23
+                            acc[r0, c + 3] += w0 * e30
+                            acc[r0 + 1, c + 3] += w1 * e31
+                            acc[r0 + 2, c + 3] += w2 * e32
+                            acc[r0 + 3, c + 3] += w3 * e33
+                        for r in range(r0, r0 + LANES):
+                            for c in range(d):
+                                acc[r, c] += w[s, r] * part_lo[bh, s, c // v_group, r]
+            else:
+                for s in range(n_splits):
+                    for r in range(rp):
+                        for c in range(d):
+                            acc[r, c] += w[s, r] * part_acc[bh, s, r, c]
             for r in range(rp):
-                if row_sum[r] > 0.0:
-                    inv = np.float32(1.0) / row_sum[r]
+                if total[r] > 0.0:
+                    inv = one / total[r]
                     for c in range(d):
-                        out[b, h, r, c] = acc_v[r, c] * inv
-                    lse[b, h, r] = row_max[r] + np.float32(math.log(row_sum[r]))
+                        out[b, h, r, c] = acc[r, c] * inv
+                    lse[b, h, r] = m[r] + np.float32(math.log(total[r]))
                 else:
                     for c in range(d):
                         out[b, h, r, c] = 0.0
                     lse[b, h, r] = neg_inf
+
+    return kernel
 
 
 def _body_arrays(body, batch: int):
@@ -202,18 +322,47 @@ def _body_arrays(body, batch: int):
     return codes.numpy(), scale.numpy(), lo.numpy(), norm.numpy()
 
 
-def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None):
+def _notice_compile(spec: tuple, seconds: float) -> None:
+    if seconds > JIT_NOTICE_S:
+        where = numba.config.CACHE_DIR or "__pycache__ next to hf_kvint2/cpu_kernels.py"
+        warnings.warn(f"hf_kvint2: the first fused CPU step took {seconds:.0f} s: Numba compiled the body kernel for "
+                      f"head_dim={spec[0]} and this cache's layouts. It is cached on disk ({where}), so later "
+                      "processes load it; `python -m hf_kvint2.backends` compiles the default layouts ahead.",
+                      UserWarning, stacklevel=4)
+
+
+def split_tokens(n: int, rows: int, tasks: int, align: int) -> int:
+    """Body tokens per parallel task (split-K): enough splits that ``tasks`` (batch x KV heads) times the splits
+    reach ``SPLIT_TASKS`` (a batch-1 step has as many tasks as KV heads otherwise), none under
+    ``SPLIT_MIN_TOKENS`` tokens, a multiple of ``align`` (the per-channel groups); no split for many query rows
+    (a long chunk: its partials would be large). Independent of the thread count, so results do not depend on it."""
+    splits = min(-(-SPLIT_TASKS // max(tasks, 1)), n // SPLIT_MIN_TOKENS)
+    if rows > SPLIT_MAX_ROWS or splits <= 1:
+        return max(n, 1)
+    per_split = -(-n // splits)
+    return -(-per_split // align) * align
+
+
+def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None, split=None):
     """Numba body partial over :class:`~hf_kvint2.stream.QuantizedBody` tokens: ``(out_rot [B, Hq, Lq, D] fp32,
-    lse [B, Hq, Lq] fp32)``, see the module docstring."""
+    lse [B, Hq, Lq] fp32)``, see the module docstring. ``split``: body tokens per task (default
+    :func:`split_tokens`; a multiple of the per-channel group sizes)."""
     if not _NUMBA:
         raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
     b, hq, lq, d = q_rot.shape
     n = key_body.tokens
     hkv = key_body.codes.shape[1]
     rows = (hq // hkv) * lq
+    align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
+    if split is None:
+        split = split_tokens(n, rows, b * hkv, align)
+    elif split <= 0 or split % align:
+        raise ValueError(f"split={split} must be a positive multiple of the per-channel group size {align}.")
     padded = -(-rows // LANES) * LANES
-    q = torch.zeros(b, hkv, padded, d)
-    q[:, :, :rows] = (q_rot.detach().float() * scaling).reshape(b, hkv, rows, d)
+    q = (q_rot.detach().float() * scaling).reshape(b, hkv, rows, d)
+    if padded != rows:
+        q = torch.cat([q, q.new_zeros(b, hkv, padded - rows, d)], dim=2)
+    q = q.contiguous()
     bias = torch.zeros(b, hkv, padded)
     if key_mean_logits is not None:
         bias[:, :, :rows] = (scaling * key_mean_logits.detach().float()).reshape(b, hkv, rows)
@@ -226,13 +375,24 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
         add = add.expand(b, 1, add.shape[2], n).reshape(b, -1, n).contiguous()
     kc, ks, kl, kn = _body_arrays(key_body, b)
     vc, vs, vl, vn = _body_arrays(value_body, b)
-    out = torch.empty(b, hkv, padded, d)
-    lse = torch.empty(b, hkv, padded)
+    out = np.empty((b, hkv, padded, d), np.float32)
+    lse = np.empty((b, hkv, padded), np.float32)
+    spec = (d, key_body.layout.axis == "token", key_body.group, value_body.layout.axis == "token", value_body.group)
+    kernel = _make_kernel(*spec)
     torch_threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS)))
-    _body_attention_kernel(q.numpy(), bias.numpy(), add.numpy(), lq, kc, ks, kl, kn,
-                           key_body.layout.axis == "token", key_body.group,
-                           vc, vs, vl, vn, value_body.layout.axis == "token", value_body.group, n,
-                           out.numpy(), lse.numpy())
-    torch.set_num_threads(torch_threads)  # both use the OpenMP runtime: keep torch's setting
-    return out[:, :, :rows].reshape(b, hq, lq, d), lse[:, :, :rows].reshape(b, hq, lq)
+    threads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    first = spec not in _called
+    t0 = time.perf_counter()
+    kernel(q.numpy(), bias.numpy(), add.numpy(), lq, kc, ks, kl, kn, vc, vs, vl, vn, n, split, out, lse)
+    if first:
+        _called.add(spec)
+        _notice_compile(spec, time.perf_counter() - t0)
+    if torch.get_num_threads() != torch_threads:  # both may use the OpenMP runtime: keep torch's setting
+        torch.set_num_threads(torch_threads)
+    out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
+    if padded != rows:
+        out_t, lse_t = out_t[:, :, :rows], lse_t[:, :, :rows]
+    return out_t.reshape(b, hq, lq, d), lse_t.reshape(b, hq, lq)
+

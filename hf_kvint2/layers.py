@@ -58,9 +58,16 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
                              f"batch={layer.batch_size}, kv_heads={layer.num_heads}, head_dim={layer.head_dim}. {fix}")
         if k.dtype != layer.dtype:
             raise ValueError(f"{where}: K/V dtype changed from {layer.dtype} to {k.dtype}. {fix}")
-    if layer.recipe.check_finite and not tracing() and not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+    if layer.recipe.check_finite and not tracing() and not _all_finite(k, v):
         raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
                          "(check the model's dtype: fp16 overflow is a common cause).")
+
+
+def _all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """No NaN/Inf in k or v. One reduction and one host sync per decode step: a NaN or Inf anywhere makes the fp32
+    sum non-finite; only then (or if finite values overflowed the sum) is every element checked."""
+    total = k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(k).all() and torch.isfinite(v).all())
 
 
 def default_rotation_error(recipe: LayerRecipe, d: int, where: str) -> str:

@@ -135,7 +135,8 @@ class LayerStep(_Step):
         # with no gradient; README).
         backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
         return attend_segments(query, before, layer.key_body.read(n_body), layer.value_body.read(n_body),
-                               cols(n_sink, n_sink + n_body), after, scaling, backend.run, **backend.options(query))
+                               cols(n_sink, n_sink + n_body), after, scaling, backend.run, fused_dense=True,
+                               **backend.options(query))
 
 
 class StaticStep(_Step):

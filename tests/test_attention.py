@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.resources
+import math
 import warnings
 
 import pytest
@@ -242,6 +243,56 @@ def test_body_kernels_agree(layout, groups, query_len):
     for got in (blocked, *[b.run(q, kb, vb, **args) for b in cpu]):
         torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_numba_split_k_matches_unsplit(layout):
+    """Split-K (tokens of the body in parallel splits, merged by log-sum-exp) == one split (fp32 rounding), with a
+    masked split and a row that attends nothing; the default split of a batch-1 decode is used."""
+    torch.manual_seed(2)
+    layer = OscarLayer(LAYOUTS[layout], 0)
+    layer.update(torch.randn(1, 2, 1200, 16), torch.randn(1, 2, 1200, 16))
+    n_tokens = layer.body_len - 5
+    kb, vb = layer.key_body.read(n_tokens), layer.value_body.read(n_tokens)
+    q = torch.randn(1, 6, 1, 16) @ layer.key_body.codec.rotation
+    kml = torch.randn(1, 6, 1)
+    align = math.lcm(*[s.group for s in (kb, vb) if s.layout.axis == "channel"] or [1])
+    split = cpu_kernels.split_tokens(n_tokens, 3, 2, align)
+    assert split < n_tokens and split % align == 0  # a batch-1 step is split
+    mask = torch.ones(1, 1, 1, n_tokens, dtype=torch.bool)
+    mask[..., split:2 * split] = False  # one split attends nothing
+    for m in (None, mask):
+        args = {"scaling": 0.3, "key_mean_logits": kml, "mask": m}
+        one = cpu_kernels.body_attention(q, kb, vb, split=-(-n_tokens // align) * align, **args)  # one split
+        for s in (split, align * 8):
+            got = cpu_kernels.body_attention(q, kb, vb, split=s, **args)
+            torch.testing.assert_close(got[0], one[0], atol=5e-6, rtol=1e-5)  # fp32, another summation order
+            torch.testing.assert_close(got[1], one[1], atol=1e-6, rtol=1e-6)
+        ref = read_path.reference_body_partial(q, kb, vb, **args)
+        torch.testing.assert_close(one[0], ref[0], atol=1e-5, rtol=1e-5)
+    dead = torch.zeros(1, 1, 1, n_tokens, dtype=torch.bool)
+    out, lse = cpu_kernels.body_attention(q, kb, vb, scaling=0.3, mask=dead, split=split)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    with pytest.raises(ValueError, match="multiple of the per-channel group"):
+        cpu_kernels.body_attention(q, kb, vb, scaling=0.3, split=align + 1 if align > 1 else 0)
+
+
+def test_dense_partial_fused_cpu_matches_separate_ops():
+    """The fused CPU dense partial (flash attention with its log-sum-exp) == the separate ops, GQA, masks with a
+    row that attends nothing, several query positions."""
+    torch.manual_seed(3)
+    for b, hq, hkv, lq, n in [(1, 9, 3, 1, 70), (2, 8, 2, 5, 40), (2, 4, 4, 3, 7)]:
+        q, k, v = torch.randn(b, hq, lq, 16), torch.randn(b, hkv, n, 16), torch.randn(b, hkv, n, 16)
+        mask = torch.zeros(b, 1, lq, n).masked_fill(torch.rand(b, 1, lq, n) > 0.6, float("-inf"))
+        mask[-1, 0, 0] = float("-inf")
+        for m in (None, mask, torch.zeros(1, 1, 1, n)):
+            fused = read_path.dense_partial(q, k, v, 0.3, m, fused=True)
+            with torch.enable_grad():  # gradients: the separate ops (as without fused)
+                ops = read_path.dense_partial(q.clone().requires_grad_(), k, v, 0.3, m, fused=True)
+            assert torch.equal(read_path.dense_partial(q, k, v, 0.3, m)[0], ops[0].detach())
+            torch.testing.assert_close(fused[0], ops[0].detach(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(fused[1], ops[1].detach(), atol=1e-6, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ memory
