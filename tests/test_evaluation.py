@@ -187,3 +187,26 @@ def test_smollm2_chunked_equals_plain_forward():
     chunked = chunked_perplexity(model, ids, [FP], prefill=256, chunk=32, progress=False)["fp"]
     plain = plain_perplexity(model, ids, prefill=256, progress=False)
     assert abs(chunked.perplexity / plain.perplexity - 1) < 1e-3
+
+
+def test_hybrid_model_stacks_sliding_layers_and_counts_quantized_layer_bits(windows):
+    """Gemma 3-style stack (sliding layers window 64): the stacked caches report each layer's kind, so the masks
+    fit (chunked == plain forward with sliding layers past their window), and bits/element covers the
+    full-attention layers (the sliding windows are the same full-precision window in every method)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              max_position_embeddings=1024, attn_implementation="sdpa")
+    model = Gemma3ForCausalLM(config).eval()
+    methods = [FP, _method("oscar_scaled", lambda cfg: OscarScaledCache(config=cfg))]
+    got = chunked_perplexity(model, windows, methods, prefill=128, chunk=32, progress=False)
+    plain = plain_perplexity(model, windows, prefill=128, progress=False)
+    assert abs(got["fp"].perplexity / plain.perplexity - 1) < 1e-3
+    assert got["fp"].bits_per_element == 32.0  # the one full-attention layer, fp32
+    assert math.isfinite(got["oscar_scaled"].perplexity)
+    fp16 = bits_at_length(methods[0], config, 4096, dtype=torch.float16)
+    assert fp16 == 16.0
+    assert 2.0 < bits_at_length(methods[1], config, 4096, dtype=torch.float16) < 4.0
