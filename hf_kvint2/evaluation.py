@@ -17,6 +17,7 @@ cache with ``cache.update`` - the same calls, with the same tensors, the prefill
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -323,6 +324,8 @@ class PerplexityResult:
     nll_sum: list[float]  # per window
     tokens: list[int]  # scored tokens per window
     bits_per_element: float | None = None  # held by the cache(s) at the end of the windows
+    # perplexity by position: (first position, last position + 1, nll sum over windows, tokens) per span
+    position_spans: list[tuple[int, int, float, int]] | None = None
 
     @property
     def perplexity(self) -> float:
@@ -336,9 +339,13 @@ class PerplexityResult:
         w = self.window_perplexities
         mean = sum(w) / len(w)
         std = math.sqrt(sum((x - mean) ** 2 for x in w) / max(len(w) - 1, 1))
-        return {"perplexity": self.perplexity, "scored_tokens": sum(self.tokens), "window_perplexities": w,
-                "window_min": min(w), "window_max": max(w), "window_std": std,
-                "bits_per_element_at_window_end": self.bits_per_element}
+        out = {"perplexity": self.perplexity, "scored_tokens": sum(self.tokens), "window_perplexities": w,
+               "window_min": min(w), "window_max": max(w), "window_std": std,
+               "bits_per_element_at_window_end": self.bits_per_element}
+        if self.position_spans:
+            out["by_position"] = [{"start": a, "stop": b, "perplexity": math.exp(s / n), "tokens": n}
+                                  for a, b, s, n in self.position_spans]
+        return out
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -356,35 +363,59 @@ def _check_protocol(window: int, prefill: int, chunk: int) -> None:
 
 @torch.no_grad()
 def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod], prefill: int = 512,
-                       chunk: int = 32, progress: bool = True) -> dict[str, PerplexityResult]:
+                       chunk: int = 32, progress: bool = True, spans: int = 8,
+                       score_every: int = 1) -> dict[str, PerplexityResult]:
     """Chunked teacher-forced decode perplexity of every method, side by side.
 
     Per window: the first ``prefill`` tokens go into a fresh cache in one forward (not scored); the remaining
     tokens are fed in chunks of ``chunk`` through the same cache. Every token predicted in the chunk phase is
-    scored, the first one from the prefill's last logit: ``window - prefill`` tokens per window.
+    scored, the first one from the prefill's last logit: ``window - prefill`` tokens per window. The perplexity is
+    also reported over ``spans`` equal spans of predicted-token positions (how quality changes with the context
+    a token is predicted from).
+
+    ``score_every=k`` scores only the predicted positions ``prefill, prefill + k, ...`` (the model computes its
+    output head only there: on long windows of a model with a large vocabulary, such as Gemma 3's 262k, the head
+    is most of the cost); every token still goes through the caches in the same chunks.
     """
     n_win, window = windows.shape
     _check_protocol(window, prefill, chunk)
+    if not isinstance(score_every, int) or score_every < 1:
+        raise ValueError(f"score_every must be a positive integer, got {score_every!r}.")
+    is_scored = torch.zeros(window, dtype=torch.bool)
+    is_scored[prefill::score_every] = True
     kv, first_logits = full_precision_prefill(model, windows[:, :prefill])
     cache = stacked_caches(methods, model.config, n_win, kv)
     del kv
     ids = windows.repeat(len(methods), 1)  # method-major rows
-    nll = _token_nll(first_logits.repeat(len(methods), 1), ids[:, prefill])
+    token_nll = torch.zeros(ids.shape[0], window, dtype=torch.float64)  # by the position of the predicted token
+    token_nll[:, prefill] = _token_nll(first_logits.repeat(len(methods), 1), ids[:, prefill])
+    nll = token_nll[:, prefill].clone()
     counts = torch.ones(ids.shape[0], dtype=torch.long)
     steps = range(prefill, window, chunk)
     for start in tqdm(steps, desc=f"perplexity ({len(methods)} methods x {n_win} windows)", disable=not progress):
         stop = min(start + chunk, window)
-        logits = model(ids[:, start:stop], **cache_kwarg(model, cache), use_cache=True).logits
-        targets = ids[:, start + 1:stop + 1]  # the last window token predicts nothing we can score
-        nll += _token_nll(logits[:, :targets.shape[1]], targets).sum(-1)
-        counts += targets.shape[1]
+        # the logit at chunk index j predicts position start + j + 1 (the last window token predicts nothing)
+        keep = torch.nonzero(is_scored[start + 1:stop + 1]).flatten()
+        extra = {} if score_every == 1 else {"logits_to_keep": keep}
+        logits = model(ids[:, start:stop], **cache_kwarg(model, cache), use_cache=True, **extra).logits
+        if score_every == 1:
+            logits = logits[:, :keep.numel()]
+        positions = start + 1 + keep
+        chunk_nll = _token_nll(logits, ids[:, positions])
+        token_nll[:, positions] = chunk_nll
+        nll += chunk_nll.sum(-1)
+        counts += keep.numel()
         del logits
     results = {}
     for i, method in enumerate(methods):
         rows = slice(i * n_win, (i + 1) * n_win)
         bits = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
                 if rows.start <= r.start < rows.stop]
-        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(), sum(bits) / len(bits))
+        edges = [prefill + round(j * (window - prefill) / spans) for j in range(spans + 1)]
+        by_span = [(a, b, token_nll[rows, a:b].sum().item(), int(is_scored[a:b].sum()) * n_win)
+                   for a, b in itertools.pairwise(edges) if b > a]
+        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(), sum(bits) / len(bits),
+                                               by_span)
     return results
 
 

@@ -206,6 +206,18 @@ def test_hybrid_model_stacks_sliding_layers_and_counts_quantized_layer_bits(wind
     plain = plain_perplexity(model, windows, prefill=128, progress=False)
     assert abs(got["fp"].perplexity / plain.perplexity - 1) < 1e-3
     assert got["fp"].bits_per_element == 32.0  # the one full-attention layer, fp32
+    spans = got["fp"].position_spans  # perplexity by position: the spans cover every scored token once
+    assert spans[0][0] == 128 and spans[-1][1] == windows.shape[1]
+    assert sum(n for *_, n in spans) == sum(got["fp"].tokens)
+    assert sum(s for _, _, s, _ in spans) == pytest.approx(sum(got["fp"].nll_sum), rel=1e-12)
+    # score_every=k: the output head runs only at every k-th predicted position; same NLL there as a plain forward
+    sampled = chunked_perplexity(model, windows, [FP], prefill=128, chunk=32, progress=False, score_every=8)["fp"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(windows).logits.float(), -1)
+    pos = torch.arange(128, windows.shape[1], 8)
+    ref = -logp[:, pos - 1].gather(-1, windows[:, pos, None]).squeeze(-1).double().sum(-1)
+    assert sampled.tokens == [len(pos)] * 2
+    assert sampled.nll_sum == pytest.approx(ref.tolist(), rel=1e-4)
     assert math.isfinite(got["oscar_scaled"].perplexity)
     fp16 = bits_at_length(methods[0], config, 4096, dtype=torch.float16)
     assert fp16 == 16.0
