@@ -345,3 +345,22 @@ def test_hybrid_model_calibrates_only_the_quantized_layers(tokenizer, tmp_path):
     (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "calibrated_layers"}))
     with pytest.raises(ArtifactError, match="give all or none"):
         OscarCache.from_pretrained(folder)
+
+
+def test_shipped_gemma3_artifact_calibrates_the_full_attention_layers():
+    """The embedded Gemma 3 270M calibration (derived statistics only: rotations, means, layouts) loads offline,
+    records its calibrated layers and leaves the 15 sliding-window layers uncalibrated."""
+    from transformers import Gemma3TextConfig
+
+    from hf_kvint2 import hub
+
+    cache = OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID)
+    cal = cache.calibration
+    assert cal.info["calibrated_layers"] == [5, 11, 17]
+    assert [i for i, p in enumerate(cal.layer_layouts) if p is not None] == [5, 11, 17]
+    assert all(cal.k_rotations[i] is None for i in range(18) if i not in (5, 11, 17))
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=18,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
+    assert config.layer_types[5::6] == ["full_attention"] * 3  # transformers' default pattern: that of the model
+    built = OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID, config=config)
+    assert [i for i, layer in enumerate(built.layers) if hasattr(layer, "recipe")] == [5, 11, 17]
