@@ -273,17 +273,27 @@ class StackedCache(Cache):
 
 
 @torch.no_grad()
-def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = None):
-    """Run the prompt ``ids`` [B, T] once at full precision. Returns (per-layer [(K, V)], last-position logits [B, V])."""
+def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = None, chunk: int | None = None):
+    """Run the prompt ``ids`` [B, T] once at full precision. Returns (per-layer [(K, V)], last-position logits [B, V]).
+
+    ``chunk``: feed the prompt in chunks of that many tokens through the ``DynamicCache`` (long prompts of models
+    with sliding-window layers: one forward would build dense T x T masks and scores for every layer). A
+    sliding-window layer's entry is then ``(K, V, tokens seen)``: its last window, and how many tokens it has seen
+    (what :func:`stacked_caches` restores)."""
     batch_size = batch_size or ids.shape[0]
+    chunk = chunk or ids.shape[1]
     kv, logits = None, []
     for start in range(0, ids.shape[0], batch_size):
         cache = DynamicCache(config=model.config)
-        out = model(ids[start:start + batch_size], **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1)
+        rows = ids[start:start + batch_size]
+        for pos in range(0, rows.shape[1], chunk):
+            out = model(rows[:, pos:pos + chunk], **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1)
         logits.append(out.logits[:, -1].float())
-        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        kv = layer_kv if kv is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
-                                          for (k0, v0), (k1, v1) in zip(kv, layer_kv)]
+        layer_kv = [(layer.keys, layer.values) + ((layer.cumulative_length,) if getattr(layer, "is_sliding", False)
+                                                  and layer.cumulative_length > layer.keys.shape[-2] else ())
+                    for layer in cache.layers]
+        kv = layer_kv if kv is None else [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), *a[2:])
+                                          for a, b in zip(kv, layer_kv)]
     return kv, torch.cat(logits)
 
 
@@ -298,8 +308,14 @@ def stacked_caches(methods: list[CacheMethod], config, rows_per_method: int, pre
             cache = method.make_cache(config)
             if prefill_kv is not None:
                 local = slice(rows.start - start, rows.stop - start)
-                for idx, (k, v) in enumerate(prefill_kv):
+                for idx, (k, v, *seen) in enumerate(prefill_kv):
                     cache.update(k[local], v[local], idx)
+                    if seen:  # a sliding window filled by a chunked prefill: it has seen more than it holds
+                        layer = cache.layers[idx]
+                        if not getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length"):
+                            raise ValueError(f"Layer {idx} was prefilled as a sliding window but {type(layer).__name__}"
+                                             " is not one: build the method's cache with config=.")
+                        layer.cumulative_length = seen[0]
             parts.append((cache, rows))
         start += rows_per_method
     return StackedCache(parts, model_shape(config).num_layers)
@@ -435,11 +451,15 @@ def plain_perplexity(model, windows: torch.Tensor, prefill: int = 512, progress:
 # ---------------------------------------------------------------------------------------------------- decoding
 @torch.no_grad()
 def greedy_continuations(model, prompts: torch.Tensor, methods: list[CacheMethod], new_tokens: int,
-                         progress: bool = True, desc: str = "greedy decode") -> dict[str, torch.Tensor]:
+                         progress: bool = True, desc: str = "greedy decode",
+                         prefill_chunk: int = 2048) -> dict[str, torch.Tensor]:
     """Greedy tokens [P, new_tokens] per method for prompts [P, T] (one shared full-precision prefill, then
-    every method decodes through its own cache)."""
+    every method decodes through its own cache). Prompts over 2048 tokens are prefilled one at a time in chunks
+    of ``prefill_chunk`` tokens."""
     n = prompts.shape[0]
-    kv, first_logits = full_precision_prefill(model, prompts, batch_size=1 if prompts.shape[1] > 2048 else None)
+    long = prompts.shape[1] > 2048
+    kv, first_logits = full_precision_prefill(model, prompts, batch_size=1 if long else None,
+                                              chunk=prefill_chunk if long else None)
     cache = stacked_caches(methods, model.config, n, kv)
     del kv
     token = first_logits.argmax(-1).repeat(len(methods))[:, None]

@@ -219,6 +219,18 @@ def test_hybrid_model_stacks_sliding_layers_and_counts_quantized_layer_bits(wind
     assert sampled.tokens == [len(pos)] * 2
     assert sampled.nll_sum == pytest.approx(ref.tolist(), rel=1e-4)
     assert math.isfinite(got["oscar_scaled"].perplexity)
+    # a chunked full-precision prefill (long prompts) restores the sliding windows with the tokens they have seen
+    from hf_kvint2.evaluation import full_precision_prefill, stacked_caches
+
+    prompt = windows[:, :300]
+    kv, last = full_precision_prefill(model, prompt, batch_size=1, chunk=64)
+    assert len(kv[0]) == 3 and kv[0][2] == 300 and len(kv[1]) == 2  # sliding: (K, V, seen); full: (K, V)
+    stacked = stacked_caches(methods, config, 2, kv)
+    with torch.no_grad():
+        ref = model(windows[:, :301]).logits[:, -1]
+        got = model(windows[:, 300:301].repeat(2, 1), past_key_values=stacked).logits[:, -1]
+        assert torch.allclose(last, model(prompt).logits[:, -1], atol=1e-4)
+    assert torch.allclose(got[:2], ref, atol=1e-4)  # the full-precision rows
     fp16 = bits_at_length(methods[0], config, 4096, dtype=torch.float16)
     assert fp16 == 16.0
     assert 2.0 < bits_at_length(methods[1], config, 4096, dtype=torch.float16) < 4.0
