@@ -379,15 +379,14 @@ def _check_protocol(window: int, prefill: int, chunk: int) -> None:
 
 @torch.no_grad()
 def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod], prefill: int = 512,
-                       chunk: int = 32, progress: bool = True, spans: int = 8,
-                       score_every: int = 1) -> dict[str, PerplexityResult]:
+                       chunk: int = 32, progress: bool = True, score_every: int = 1) -> dict[str, PerplexityResult]:
     """Chunked teacher-forced decode perplexity of every method, side by side.
 
     Per window: the first ``prefill`` tokens go into a fresh cache in one forward (not scored); the remaining
     tokens are fed in chunks of ``chunk`` through the same cache. Every token predicted in the chunk phase is
     scored, the first one from the prefill's last logit: ``window - prefill`` tokens per window. The perplexity is
-    also reported over ``spans`` equal spans of predicted-token positions (how quality changes with the context
-    a token is predicted from).
+    also reported per span of predicted-token positions between powers of two (``[prefill, 1024), [1024, 2048),
+    ...``: how quality changes with the context a token is predicted from).
 
     ``score_every=k`` scores only the predicted positions ``prefill, prefill + k, ...`` (the model computes its
     output head only there: on long windows of a model with a large vocabulary, such as Gemma 3's 262k, the head
@@ -427,7 +426,7 @@ def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod],
         rows = slice(i * n_win, (i + 1) * n_win)
         bits = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
                 if rows.start <= r.start < rows.stop]
-        edges = [prefill + round(j * (window - prefill) / spans) for j in range(spans + 1)]
+        edges = [prefill] + [2 ** e for e in range(1, window.bit_length()) if prefill < 2 ** e < window] + [window]
         by_span = [(a, b, token_nll[rows, a:b].sum().item(), int(is_scored[a:b].sum()) * n_win)
                    for a, b in itertools.pairwise(edges) if b > a]
         results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(), sum(bits) / len(bits),
