@@ -349,12 +349,24 @@ def main(argv=None) -> dict:
         save()
     if "perplexity" not in skip:
         t0 = time.time()
-        ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk, score_every=args.score_every)
+        def checkpoint(position, partial):
+            """A long run that is stopped keeps what it measured: <out>.partial.json, positions < position."""
+            snapshot = {"model": model_name, "protocol": dict(result["protocol"], scored_up_to=position),
+                        "runs": result["runs"], "rows": [dict(rows[k], **r.summary()) for k, r in partial.items()]}
+            fp_row = next((r for r in snapshot["rows"] if r["key"] == "fp"), None)
+            for r in snapshot["rows"]:
+                if fp_row is not None:
+                    r["delta_pct"] = 100 * (r["perplexity"] / fp_row["perplexity"] - 1)
+            Path(args.out + ".partial.json").write_text(json.dumps(snapshot, indent=2))
+
+        ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk, score_every=args.score_every,
+                                 checkpoint=checkpoint)
         for key, r in ppl.items():
             rows[key].update(r.summary())
             print(f"{rows[key]['name']}: ppl {r.perplexity:.4f}")
         result["runs"][-1]["perplexity_seconds"] = time.time() - t0
         save()
+        Path(args.out + ".partial.json").unlink(missing_ok=True)
     if "plain" not in skip and "perplexity" not in skip and "fp" in {m.key for m in methods}:
         plain = plain_perplexity(model, windows, args.prefill)
         chunked = rows["fp"]["perplexity"]

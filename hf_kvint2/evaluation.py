@@ -379,7 +379,9 @@ def _check_protocol(window: int, prefill: int, chunk: int) -> None:
 
 @torch.no_grad()
 def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod], prefill: int = 512,
-                       chunk: int = 32, progress: bool = True, score_every: int = 1) -> dict[str, PerplexityResult]:
+                       chunk: int = 32, progress: bool = True, score_every: int = 1,
+                       checkpoint: Callable[[int, dict[str, PerplexityResult]], None] | None = None,
+                       checkpoint_every: int = 64) -> dict[str, PerplexityResult]:
     """Chunked teacher-forced decode perplexity of every method, side by side.
 
     Per window: the first ``prefill`` tokens go into a fresh cache in one forward (not scored); the remaining
@@ -391,6 +393,10 @@ def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod],
     ``score_every=k`` scores only the predicted positions ``prefill, prefill + k, ...`` (the model computes its
     output head only there: on long windows of a model with a large vocabulary, such as Gemma 3's 262k, the head
     is most of the cost); every token still goes through the caches in the same chunks.
+
+    ``checkpoint(position, partial)`` is called every ``checkpoint_every`` chunks with the results over the
+    positions scored so far (spans up to ``position``; bits/element left out), so that a long run that is stopped
+    keeps what it measured.
     """
     n_win, window = windows.shape
     _check_protocol(window, prefill, chunk)
@@ -421,16 +427,28 @@ def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod],
         nll += chunk_nll.sum(-1)
         counts += keep.numel()
         del logits
+        done = (start - prefill) // chunk + 1
+        if checkpoint is not None and done % checkpoint_every == 0 and stop < window:
+            checkpoint(stop + 1, _results(methods, n_win, prefill, stop + 1, nll, counts, token_nll, is_scored))
+    bits = {}
+    for i, method in enumerate(methods):
+        rows = slice(i * n_win, (i + 1) * n_win)
+        parts = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
+                 if rows.start <= r.start < rows.stop]
+        bits[method.key] = sum(parts) / len(parts)
+    return _results(methods, n_win, prefill, window, nll, counts, token_nll, is_scored, bits)
+
+
+def _results(methods, n_win, prefill, end, nll, counts, token_nll, is_scored, bits=None) -> dict[str, PerplexityResult]:
+    """Per method: the perplexity over the positions scored before ``end``, and by span between powers of two."""
+    edges = [prefill] + [2 ** e for e in range(1, end.bit_length()) if prefill < 2 ** e < end] + [end]
     results = {}
     for i, method in enumerate(methods):
         rows = slice(i * n_win, (i + 1) * n_win)
-        bits = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
-                if rows.start <= r.start < rows.stop]
-        edges = [prefill] + [2 ** e for e in range(1, window.bit_length()) if prefill < 2 ** e < window] + [window]
         by_span = [(a, b, token_nll[rows, a:b].sum().item(), int(is_scored[a:b].sum()) * n_win)
                    for a, b in itertools.pairwise(edges) if b > a]
-        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(), sum(bits) / len(bits),
-                                               by_span)
+        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(),
+                                               None if bits is None else bits[method.key], by_span)
     return results
 
 
