@@ -27,7 +27,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -
 # bundled model -> the name in hf_kvint2.hub of its embedded calibration artifact (the default --calibration)
 EMBEDDED_CALIBRATIONS = {"smollm2": "SMOLLM2_ARTIFACT_ID", "gemma3": "GEMMA3_ARTIFACT_ID"}
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
-METHOD_KEYS = ("fp", "oscar_scaled", "oscar", "oscar_token_scaling", "hadamard", "kivi2", "naive", "hqq", "quanto")
+METHOD_KEYS = ("fp", "oscar_scaled", "oscar", "oscar_token_scaling", "hadamard", "hadamard_only", "kivi2", "naive",
+               "hqq", "quanto")
 
 
 def tiny_model(seed: int = 0):

@@ -95,6 +95,16 @@ def kivi2_recipe(head_dim: int) -> LayerRecipe:
                        recent_tokens=128, key_rotation=eye, value_rotation=eye)
 
 
+def hadamard_only_recipe(head_dim: int) -> LayerRecipe:
+    """Hadamard-only INT2 (QuaRot-style) whatever the keys look like: the normalised Hadamard on keys and values
+    given explicitly, so that the uncalibrated cache's key-basis choice (hf_kvint2.key_basis: the model basis with
+    per-channel groups for very uneven keys, e.g. Gemma 3's full-attention layers) never applies; per-token groups,
+    clips 0.96/0.92, OSCAR's windows."""
+    from .transforms import hadamard_matrix
+
+    return oscar_recipe(key_rotation=hadamard_matrix(head_dim), value_rotation=hadamard_matrix(head_dim))
+
+
 def naive_int2_recipe(head_dim: int) -> LayerRecipe:
     """Per-token INT2 without rotation or clipping, with OSCAR's windows (sink 64, recent 256)."""
     eye = torch.eye(head_dim)
@@ -132,7 +142,12 @@ def standard_methods(config, calibrated: Callable[[object], OscarCache] | None =
         ]
     methods += [
         CacheMethod("hadamard", "Hadamard INT2 (QuaRot-style)", lambda cfg: OscarCache(config=cfg), True,
-                    "OscarCache() uncalibrated: Hadamard, clips 0.96/0.92, sink 64, recent 256"),
+                    "OscarCache() uncalibrated: Hadamard, clips 0.96/0.92, sink 64, recent 256 (keys that vary very "
+                    "unevenly over channels keep the model basis with per-channel groups: hf_kvint2.key_basis)"),
+        CacheMethod("hadamard_only", "Hadamard-only INT2 (fixed rotation)",
+                    lambda cfg: engine_cache(hadamard_only_recipe(d), cfg), True,
+                    "normalised Hadamard on K and V always (no key-basis choice), per-token groups, clips "
+                    "0.96/0.92, sink 64, recent 256"),
         CacheMethod("kivi2", "KIVI-2 (this engine)", lambda cfg: engine_cache(kivi2_recipe(d), cfg), True,
                     "no rotation; K per channel/32 tokens, V per token/32 channels, residual 128"),
         CacheMethod("naive", "naive INT2", lambda cfg: engine_cache(naive_int2_recipe(d), cfg), True,
