@@ -6,8 +6,9 @@ from the result files of benchmarks/quality.py (no model is run here).
 Inputs (each from its own quality.py run; the command is in each file's "runs"):
 * SmolLM2 2k: quality.json, 8k: quality_smollm2_8k.json (--long --windows 2)
 * Gemma 3 2k: quality_gemma3.json, 32k: quality_gemma3_32k.json (windows of 32768, prefill 1024, chunks of 64,
-  every 8th token scored). Gemma 3 "8k" is the same 32k windows scored up to position 8192 (tokens predicted from
-  at most 8k of context, as an 8k window would), from the per-position spans that chunked_perplexity reports.
+  every 8th token scored); while that run is incomplete, its checkpoint quality_gemma3_32k.partial.json (the
+  positions scored so far). Gemma 3 "8k" is the 32k windows scored up to position 8192 (tokens predicted from at
+  most 8k of context, as an 8k window would), from the per-position spans that chunked_perplexity reports.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ SOURCES = {  # (model, file, context label, how many positions: None = the whole
 
 
 def _load(name: str) -> dict | None:
-    path = RESULTS / name
-    return json.loads(path.read_text()) if path.exists() else None
+    """A result file, or the checkpoint of its unfinished run (<name>.partial.json: positions scored so far)."""
+    for path in (RESULTS / name, (RESULTS / name).with_suffix(".partial.json")):
+        if path.exists():
+            data = json.loads(path.read_text())
+            if any(r.get("perplexity") is not None for r in data["rows"]):
+                return data
+    return None
 
 
 def _perplexity(row: dict, upto: int | None) -> float | None:
@@ -52,6 +58,9 @@ def collect() -> dict:
         if data is None:
             continue
         rows = {r["key"]: r for r in data["rows"]}
+        reached = data["protocol"].get("scored_up_to", data["protocol"]["window"])
+        if upto is None and reached < data["protocol"]["window"]:
+            continue  # an unfinished run: only the spans it reached count
         fp = _perplexity(rows.get("fp", {}), upto)
         for key in METHODS:
             if key not in rows:
@@ -61,7 +70,7 @@ def collect() -> dict:
                 continue
             table.setdefault(key, {})[(model, ctx)] = {
                 "perplexity": ppl, "delta_pct": 100 * (ppl / fp - 1), "source": name, "upto": upto,
-                "bits_16bit": rows[key].get("bits_per_element_16bit"),
+                "bits_16bit": rows[key].get("bits_per_element_16bit"), "scored_up_to": reached,
                 "protocol": {k: data["protocol"].get(k) for k in ("windows", "window", "prefill", "chunk",
                                                                  "score_every", "scored_tokens")}}
     return table
@@ -82,6 +91,7 @@ def markdown(table: dict) -> str:
 
 
 def plot(path: Path) -> None:
+    """Top: perplexity per span of predicted-token positions; bottom: the same relative to full precision."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,34 +99,48 @@ def plot(path: Path) -> None:
 
     panels = [("SmolLM2-135M", [("quality.json", "2k run"), ("quality_smollm2_8k.json", "8k run")]),
               ("Gemma 3 270M", [("quality_gemma3.json", "2k run"), ("quality_gemma3_32k.json", "32k run")])]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
     colors = {"fp": "black", "oscar": "tab:blue", "oscar_scaled": "tab:orange"}
-    for ax, (model, files) in zip(axes, panels):
+    for col, (model, files) in enumerate(panels):
+        top, bottom = axes[0][col], axes[1][col]
         for name, label in files:
             data = _load(name)
             if data is None:
                 continue
-            for row in data["rows"]:
-                if row["key"] not in METHODS:
+            reached = data["protocol"].get("scored_up_to")
+            label = label if reached is None else f"{label}, scored to {reached}"
+            rows = {r["key"]: r for r in data["rows"]}
+            style = ":" if label.startswith("2k") else "-"
+            for key, row in rows.items():
+                if key not in METHODS or row.get("perplexity") is None:
                     continue
                 spans = row.get("by_position")
-                style = "-" if label != "2k run" else ":"
                 if spans:
                     xs = [math.sqrt(max(s["start"], 1) * s["stop"]) for s in spans]
-                    ax.plot(xs, [s["perplexity"] for s in spans], style, marker="o", color=colors[row["key"]],
-                            label=f"{METHODS[row['key']]} ({label})")
-                elif row.get("perplexity") is not None:
+                    top.plot(xs, [s["perplexity"] for s in spans], style, marker="o", color=colors[key],
+                             label=f"{METHODS[key]} ({label})")
+                    fp_spans = rows["fp"].get("by_position") or []
+                    if key != "fp" and len(fp_spans) == len(spans):
+                        bottom.plot(xs, [100 * (s["perplexity"] / f["perplexity"] - 1) for s, f in zip(spans, fp_spans)],
+                                    style, marker="o", color=colors[key], label=f"{METHODS[key]} ({label})")
+                else:  # an older run without per-position spans: the whole window at its length
                     w = data["protocol"]["window"]
-                    ax.scatter([w], [row["perplexity"]], marker="s", color=colors[row["key"]],
-                               label=f"{METHODS[row['key']]} ({label}, whole window)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("position of the predicted token (context length), span midpoints")
-        ax.set_ylabel("perplexity (chunked decode, Emma)")
-        ax.set_title(model)
-        ax.legend(fontsize=7)
+                    top.scatter([w], [row["perplexity"]], marker="s", color=colors[key],
+                                label=f"{METHODS[key]} ({label}, whole window)")
+                    if key != "fp":
+                        bottom.scatter([w], [100 * (row["perplexity"] / rows["fp"]["perplexity"] - 1)], marker="s",
+                                       color=colors[key], label=f"{METHODS[key]} ({label}, whole window)")
+        top.set_xscale("log", base=2)
+        top.set_ylabel("perplexity (chunked decode, Emma)")
+        top.set_title(model)
+        top.legend(fontsize=6)
+        bottom.axhline(0, color="gray", lw=0.8)
+        bottom.set_xlabel("position of the predicted token (context length); spans between powers of two")
+        bottom.set_ylabel("perplexity vs full precision (%)")
+        bottom.legend(fontsize=6)
     fig.suptitle("Perplexity vs context length: full precision, OSCAR (calibrated OscarCache), OScaR")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
