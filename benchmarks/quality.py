@@ -115,6 +115,8 @@ def parse_args(argv=None):
     p.add_argument("--score-every", type=int, default=1,
                    help="score every k-th predicted token only (the output head runs only there; default 1: all). "
                         "For long windows of large-vocabulary models (Gemma 3: 262k), where the head dominates")
+    p.add_argument("--checkpoint-every", type=int, default=64,
+                   help="write <out>.partial.json (the positions scored so far) every this many chunks (default 64)")
     p.add_argument("--long", action="store_true", help="long-context variant: windows 8192, prefill 1024, chunks 64")
     p.add_argument("--passkey-lengths", default="1024,2048,4096,8192",
                    help="comma-separated prompt lengths in tokens for passkey retrieval (default 1024,2048,4096,8192)")
@@ -361,7 +363,7 @@ def main(argv=None) -> dict:
             Path(args.out + ".partial.json").write_text(json.dumps(snapshot, indent=2))
 
         ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk, score_every=args.score_every,
-                                 checkpoint=checkpoint)
+                                 checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         for key, r in ppl.items():
             rows[key].update(r.summary())
             print(f"{rows[key]['name']}: ppl {r.perplexity:.4f}")
