@@ -25,8 +25,8 @@ from pathlib import Path
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--statistics", required=True, help="file of calibrate_oscar.py --save-statistics")
-    p.add_argument("--sink", type=int, default=64)
-    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--sink", type=int, default=64, help="full-precision sink tokens of the simulated cache (64)")
+    p.add_argument("--recent", type=int, default=256, help="full-precision recent tokens of the simulated cache (256)")
     p.add_argument("--out", required=True, help="output prefix (.json)")
     args = p.parse_args(argv)
     import torch

@@ -32,6 +32,7 @@ from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
 from .model_config import layer_types, model_shape
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe
+from .transforms import hadamard_matrix
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -100,8 +101,6 @@ def hadamard_only_recipe(head_dim: int) -> LayerRecipe:
     given explicitly, so that the uncalibrated cache's key-basis choice (hf_kvint2.key_basis: the model basis with
     per-channel groups for very uneven keys, e.g. Gemma 3's full-attention layers) never applies; per-token groups,
     clips 0.96/0.92, OSCAR's windows."""
-    from .transforms import hadamard_matrix
-
     return oscar_recipe(key_rotation=hadamard_matrix(head_dim), value_rotation=hadamard_matrix(head_dim))
 
 
