@@ -24,7 +24,11 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype -> torch dtype name
 # hf_kvint2.evaluation.standard_methods' keys (tests/test_evaluation.py checks that they agree)
-METHOD_KEYS = ("fp", "oscar_scaled", "oscar", "oscar_token_scaling", "hadamard", "kivi2", "naive", "hqq", "quanto")
+# bundled model -> the name in hf_kvint2.hub of its embedded calibration artifact (the default --calibration)
+EMBEDDED_CALIBRATIONS = {"smollm2": "SMOLLM2_ARTIFACT_ID", "gemma3": "GEMMA3_ARTIFACT_ID"}
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
+METHOD_KEYS = ("fp", "oscar_scaled", "oscar", "oscar_token_scaling", "hadamard", "hadamard_only", "kivi2", "naive",
+               "hqq", "quanto")
 
 
 def tiny_model(seed: int = 0):
@@ -50,6 +54,10 @@ def load_model(args):
         from hf_kvint2.models import load_smollm2
 
         return load_smollm2(dtype, attn_implementation="sdpa")
+    if args.model == "gemma3":
+        from hf_kvint2.models import load_gemma3
+
+        return load_gemma3(dtype, attn_implementation="sdpa")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="sdpa")
@@ -61,13 +69,14 @@ def calibrated_factory(args):
     from hf_kvint2 import OscarCache
 
     source = args.calibration
-    if source is None and args.model == "smollm2" and not args.quick:
+    if source is None and args.model in EMBEDDED_CALIBRATIONS and not args.quick:
         try:
             from hf_kvint2 import hub
 
-            if (hub.SMOLLM2_ARTIFACT_DIR / hub.CONFIG_NAME).exists():
-                source = hub.SMOLLM2_ARTIFACT_ID
-        except ImportError:
+            artifact_id = getattr(hub, EMBEDDED_CALIBRATIONS[args.model], None)
+            if artifact_id is not None and (hub.EMBEDDED_ARTIFACTS[artifact_id] / hub.CONFIG_NAME).exists():
+                source = artifact_id
+        except (ImportError, AttributeError, KeyError):
             source = None
     if source is None:
         print("No calibration artifact found: the calibrated OSCAR rows are left out.", file=sys.stderr)
@@ -92,7 +101,8 @@ def available_backends() -> tuple[str, ...]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled) or a Hugging Face causal LM id/path")
+    p.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3' (bundled; gemma3 needs the [gemma3] "
+                   "extra) or a Hugging Face causal LM id/path")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model and K/V dtype (default fp32)")
     p.add_argument("--calibration", help="OscarCache artifact (Hub id or folder); default: the embedded SmolLM2 one")
     p.add_argument("--methods", help="comma-separated, among: " + ", ".join(METHOD_KEYS) + " (default: all "
@@ -102,6 +112,11 @@ def parse_args(argv=None):
     p.add_argument("--prefill", type=int, default=512,
                    help="tokens of each window written into a fresh cache in one forward (default 512)")
     p.add_argument("--chunk", type=int, default=32, help="tokens per decode chunk after the prefill (default 32)")
+    p.add_argument("--score-every", type=int, default=1,
+                   help="score every k-th predicted token only (the output head runs only there; default 1: all). "
+                        "For long windows of large-vocabulary models (Gemma 3: 262k), where the head dominates")
+    p.add_argument("--checkpoint-every", type=int, default=64,
+                   help="write <out>.partial.json (the positions scored so far) every this many chunks (default 64)")
     p.add_argument("--long", action="store_true", help="long-context variant: windows 8192, prefill 1024, chunks 64")
     p.add_argument("--passkey-lengths", default="1024,2048,4096,8192",
                    help="comma-separated prompt lengths in tokens for passkey retrieval (default 1024,2048,4096,8192)")
@@ -154,10 +169,12 @@ def markdown_table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     proto = result["protocol"]
     lines.append("")
+    sampled = f"every {proto['score_every']}th predicted token scored, " if proto.get("score_every", 1) > 1 else ""
     lines.append(f"{result['model']} ({proto['dtype']}), {proto['text']}: {proto['windows']} windows of "
-                 f"{proto['window']} tokens, prefill {proto['prefill']}, chunks of {proto['chunk']}, "
+                 f"{proto['window']} tokens, prefill {proto['prefill']}, chunks of {proto['chunk']}, {sampled}"
                  f"{proto['scored_tokens']} scored tokens per method. bits/element at {proto['bits_tokens']} tokens, "
-                 "from the bytes each cache holds (full-precision windows in the model dtype, or in 16 bits).")
+                 "from the bytes each cache holds in the full-attention layers (full-precision windows in the model "
+                 "dtype, or in 16 bits; sliding-window layers are the same full-precision window in every method).")
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +219,8 @@ def write_outputs(result: dict, out: str) -> None:
     print(f"wrote {prefix.with_suffix('.json')}, {prefix.with_suffix('.md')}, {prefix.with_suffix('.png')}")
 
 
-STAGE_FIELDS = {"bits": ("bits_tokens",), "perplexity": ("windows", "window", "prefill", "chunk", "scored_tokens"),
+STAGE_FIELDS = {"bits": ("bits_tokens",), "perplexity": ("windows", "window", "prefill", "chunk", "score_every",
+                                                         "scored_tokens"),
                 "agreement": ("agreement_prompts", "agreement_tokens"),
                 "passkey": ("passkey_lengths", "passkey_depths", "passkey_haystack")}
 
@@ -225,7 +243,8 @@ def merge_previous(result: dict, out: str, stages: set[str]) -> dict:
         for field in STAGE_FIELDS.get(stage, ()):
             protocol[field] = result["protocol"][field]
     if "perplexity" in stages and any(r.get("perplexity") is not None for r in old["rows"]):
-        changed = [f for f in STAGE_FIELDS["perplexity"] if old["protocol"].get(f) != result["protocol"][f]]
+        changed = [f for f in STAGE_FIELDS["perplexity"]
+                   if old["protocol"].get(f, 1 if f == "score_every" else None) != result["protocol"][f]]
         if changed:
             raise ValueError(f"{path} used another perplexity protocol ({changed}); use a different --out.")
     old_rows = {r["key"]: r for r in old["rows"]}
@@ -281,9 +300,16 @@ def main(argv=None) -> dict:
     else:
         methods = all_methods
     if "fp" not in {m.key for m in methods}:
-        raise SystemExit("The full-precision method 'fp' is the baseline of every ratio; include it in --methods.")
-    model_name = "tiny random Llama" if args.quick else (
-        "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model)
+        earlier = Path(args.out).with_suffix(".json")
+        has_fp = args.update and earlier.exists() and any(
+            r["key"] == "fp" and r.get("perplexity") is not None for r in json.loads(earlier.read_text())["rows"])
+        if not has_fp:
+            raise SystemExit("The full-precision method 'fp' is the baseline of every ratio; include it in --methods "
+                             "(or add rows with --update to an earlier run of the same protocol that has it).")
+        if "agreement" not in skip:
+            raise SystemExit("Greedy agreement compares with 'fp' decoded in the same run: include 'fp' in --methods "
+                             "or --skip agreement.")
+    model_name = "tiny random Llama" if args.quick else MODEL_NAMES.get(args.model, args.model)
     lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
     depths = [float(x) for x in args.passkey_depths.split(",") if x]
 
@@ -293,7 +319,9 @@ def main(argv=None) -> dict:
         "model": model_name,
         "protocol": {"dtype": args.dtype, "text": "Emma (Jane Austen)", "windows": args.windows,
                      "window": args.window, "prefill": args.prefill, "chunk": args.chunk,
-                     "scored_tokens": args.windows * (args.window - args.prefill), "bits_tokens": args.bits_tokens,
+                     "score_every": args.score_every,
+                     "scored_tokens": args.windows * len(range(args.prefill, args.window, args.score_every)),
+                     "bits_tokens": args.bits_tokens,
                      "passkey_lengths": lengths, "passkey_depths": depths, "passkey_haystack": "Sense and Sensibility",
                      "agreement_prompts": args.agreement_prompts, "agreement_tokens": args.agreement_tokens},
         "runs": [{"command": "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -324,13 +352,25 @@ def main(argv=None) -> dict:
         save()
     if "perplexity" not in skip:
         t0 = time.time()
-        ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk)
+        def checkpoint(position, partial):
+            """A long run that is stopped keeps what it measured: <out>.partial.json, positions < position."""
+            snapshot = {"model": model_name, "protocol": dict(result["protocol"], scored_up_to=position),
+                        "runs": result["runs"], "rows": [dict(rows[k], **r.summary()) for k, r in partial.items()]}
+            fp_row = next((r for r in snapshot["rows"] if r["key"] == "fp"), None)
+            for r in snapshot["rows"]:
+                if fp_row is not None:
+                    r["delta_pct"] = 100 * (r["perplexity"] / fp_row["perplexity"] - 1)
+            Path(args.out + ".partial.json").write_text(json.dumps(snapshot, indent=2))
+
+        ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk, score_every=args.score_every,
+                                 checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
         for key, r in ppl.items():
             rows[key].update(r.summary())
             print(f"{rows[key]['name']}: ppl {r.perplexity:.4f}")
         result["runs"][-1]["perplexity_seconds"] = time.time() - t0
         save()
-    if "plain" not in skip and "perplexity" not in skip:
+        Path(args.out + ".partial.json").unlink(missing_ok=True)
+    if "plain" not in skip and "perplexity" not in skip and "fp" in {m.key for m in methods}:
         plain = plain_perplexity(model, windows, args.prefill)
         chunked = rows["fp"]["perplexity"]
         result["plain_forward_check"] = {

@@ -4,8 +4,9 @@
     python calibration_scripts/calibrate_oscar.py --model smollm2 \\
         --text hf_kvint2/data/prideprejudice.txt --num-tokens 30000 --output runs/smollm2-oscar
 
-``--model smollm2`` (the default) is the bundled SmolLM2-135M-Instruct; any other value is a Hub id or a local
-folder for ``AutoModelForCausalLM``. ``--text`` may be given several times. The artifact is written with
+``--model smollm2`` (the default) is the bundled SmolLM2-135M-Instruct, ``--model gemma3`` the bundled Gemma 3 270M
+(the ``[gemma3]`` extra; only its full-attention layers are calibrated: the sliding-window layers keep
+transformers' full-precision window); any other value is a Hub id or a local folder for ``AutoModelForCausalLM``. ``--text`` may be given several times. The artifact is written with
 ``OscarCache.save_pretrained`` and, with ``--push-to-hub REPO_ID``, uploaded.
 
 Time: minutes. SmolLM2-135M with --num-tokens 30000 took about 6 minutes on one CPU thread (1.4 GiB peak memory);
@@ -26,7 +27,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="'smollm2' (bundled, default), a Hub id or a local path")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (bundled, default), 'gemma3' (bundled, [gemma3] extra), a Hub id or a local path")
     p.add_argument("--revision", default=None, help="model revision on the Hub")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="model dtype (default float32)")
     p.add_argument("--text", action="append", required=True, metavar="FILE",
@@ -63,6 +65,11 @@ def load_model(name: str, revision: str | None, dtype):
 
         model, tokenizer = load_smollm2(dtype=dtype)
         return model, tokenizer, DEFAULT_MODEL_ID, None
+    if name.lower() == "gemma3":
+        from hf_kvint2.models import GEMMA3_MODEL_ID, load_gemma3
+
+        model, tokenizer = load_gemma3(dtype=dtype, attn_implementation="sdpa")
+        return model, tokenizer, GEMMA3_MODEL_ID, None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(name, revision=revision)

@@ -17,6 +17,7 @@ cache with ``cache.update`` - the same calls, with the same tensors, the prefill
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -29,8 +30,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
-from .model_config import model_shape
+from .model_config import layer_types, model_shape
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe
+from .transforms import hadamard_matrix
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -94,6 +96,14 @@ def kivi2_recipe(head_dim: int) -> LayerRecipe:
                        recent_tokens=128, key_rotation=eye, value_rotation=eye)
 
 
+def hadamard_only_recipe(head_dim: int) -> LayerRecipe:
+    """Hadamard-only INT2 (QuaRot-style) whatever the keys look like: the normalised Hadamard on keys and values
+    given explicitly, so that the uncalibrated cache's key-basis choice (hf_kvint2.key_basis: the model basis with
+    per-channel groups for very uneven keys, e.g. Gemma 3's full-attention layers) never applies; per-token groups,
+    clips 0.96/0.92, OSCAR's windows."""
+    return oscar_recipe(key_rotation=hadamard_matrix(head_dim), value_rotation=hadamard_matrix(head_dim))
+
+
 def naive_int2_recipe(head_dim: int) -> LayerRecipe:
     """Per-token INT2 without rotation or clipping, with OSCAR's windows (sink 64, recent 256)."""
     eye = torch.eye(head_dim)
@@ -131,7 +141,12 @@ def standard_methods(config, calibrated: Callable[[object], OscarCache] | None =
         ]
     methods += [
         CacheMethod("hadamard", "Hadamard INT2 (QuaRot-style)", lambda cfg: OscarCache(config=cfg), True,
-                    "OscarCache() uncalibrated: Hadamard, clips 0.96/0.92, sink 64, recent 256"),
+                    "OscarCache() uncalibrated: Hadamard, clips 0.96/0.92, sink 64, recent 256 (keys that vary very "
+                    "unevenly over channels keep the model basis with per-channel groups: hf_kvint2.key_basis)"),
+        CacheMethod("hadamard_only", "Hadamard-only INT2 (fixed rotation)",
+                    lambda cfg: engine_cache(hadamard_only_recipe(d), cfg), True,
+                    "normalised Hadamard on K and V always (no key-basis choice), per-token groups, clips "
+                    "0.96/0.92, sink 64, recent 256"),
         CacheMethod("kivi2", "KIVI-2 (this engine)", lambda cfg: engine_cache(kivi2_recipe(d), cfg), True,
                     "no rotation; K per channel/32 tokens, V per token/32 channels, residual 128"),
         CacheMethod("naive", "naive INT2", lambda cfg: engine_cache(naive_int2_recipe(d), cfg), True,
@@ -167,15 +182,24 @@ def _tensor_bytes(obj) -> int:
 
 
 def cache_bits_per_element(cache: Cache, config, batch_size: int) -> float:
-    """Bits held per cached K/V element, from the bytes the cache holds: this library's caches report them
-    themselves; for others every tensor the layers hold (residual and quantized states, with their scales and
-    zero points) is counted."""
+    """Bits held per cached K/V element of the model's full-attention layers, from the bytes the cache holds: this
+    library's caches report them themselves; for others every tensor the layers hold (residual and quantized
+    states, with their scales and zero points) is counted. Sliding-window layers (Gemma 3: 5 of 6) are left out:
+    every method compared here keeps them as transformers' full-precision window, so they would only dilute the
+    comparison (their bytes are in ``memory_report()``)."""
+    full = [i for i, kind in enumerate(layer_types(config)) if kind == "full_attention"] if config is not None \
+        else list(range(len(cache.layers)))
     if isinstance(cache, OscarCacheBase):
-        return cache.bits_per_element()
+        rows = [row for row in cache.memory_report()["layers"] if row["layer"] in set(full)]
+        held, elements = sum(row["total_bytes"] for row in rows), sum(row["elements"] for row in rows)
+        if not elements:
+            raise ValueError("The cache is empty; fill it before measuring bits per element.")
+        return 8 * held / elements
     shape = model_shape(config)
     per_token = 2 * batch_size * shape.num_key_value_heads * shape.head_dim
     total_bytes, elements = 0, 0
-    for idx, layer in enumerate(cache.layers):
+    for idx in full:
+        layer = cache.layers[idx] if idx < len(cache.layers) else None
         if not getattr(layer, "is_initialized", False):
             continue
         total_bytes += _tensor_bytes([layer.keys, layer.values, getattr(layer, "_quantized_keys", None),
@@ -227,6 +251,14 @@ class _StackedLayer(CacheLayerMixin):
         super().__init__()
         self.parts, self.layer_idx = parts, layer_idx
         self.is_initialized = True
+        # transformers builds the attention masks from the cache's per-layer is_sliding and mask sizes: mirror the
+        # layer kind of the stacked caches (all the same kind: every method here is built from the model config)
+        kinds = {bool(getattr(c.layers[layer_idx], "is_sliding", False)) if layer_idx < len(c.layers) else False
+                 for c, _ in parts}
+        if len(kinds) > 1:
+            raise ValueError(f"Layer {layer_idx} is a sliding-window layer in some of the stacked caches and not in "
+                             "others: build every method's cache with config= so that they agree.")
+        self.is_sliding = kinds.pop() if kinds else False
 
     def lazy_initialization(self, key_states, value_states):
         pass
@@ -255,17 +287,27 @@ class StackedCache(Cache):
 
 
 @torch.no_grad()
-def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = None):
-    """Run the prompt ``ids`` [B, T] once at full precision. Returns (per-layer [(K, V)], last-position logits [B, V])."""
+def full_precision_prefill(model, ids: torch.Tensor, batch_size: int | None = None, chunk: int | None = None):
+    """Run the prompt ``ids`` [B, T] once at full precision. Returns (per-layer [(K, V)], last-position logits [B, V]).
+
+    ``chunk``: feed the prompt in chunks of that many tokens through the ``DynamicCache`` (long prompts of models
+    with sliding-window layers: one forward would build dense T x T masks and scores for every layer). A
+    sliding-window layer's entry is then ``(K, V, tokens seen)``: its last window, and how many tokens it has seen
+    (what :func:`stacked_caches` restores)."""
     batch_size = batch_size or ids.shape[0]
+    chunk = chunk or ids.shape[1]
     kv, logits = None, []
     for start in range(0, ids.shape[0], batch_size):
         cache = DynamicCache(config=model.config)
-        out = model(ids[start:start + batch_size], **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1)
+        rows = ids[start:start + batch_size]
+        for pos in range(0, rows.shape[1], chunk):
+            out = model(rows[:, pos:pos + chunk], **cache_kwarg(model, cache), use_cache=True, logits_to_keep=1)
         logits.append(out.logits[:, -1].float())
-        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        kv = layer_kv if kv is None else [(torch.cat([k0, k1]), torch.cat([v0, v1]))
-                                          for (k0, v0), (k1, v1) in zip(kv, layer_kv)]
+        layer_kv = [(layer.keys, layer.values) + ((layer.cumulative_length,) if getattr(layer, "is_sliding", False)
+                                                  and layer.cumulative_length > layer.keys.shape[-2] else ())
+                    for layer in cache.layers]
+        kv = layer_kv if kv is None else [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), *a[2:])
+                                          for a, b in zip(kv, layer_kv)]
     return kv, torch.cat(logits)
 
 
@@ -280,8 +322,14 @@ def stacked_caches(methods: list[CacheMethod], config, rows_per_method: int, pre
             cache = method.make_cache(config)
             if prefill_kv is not None:
                 local = slice(rows.start - start, rows.stop - start)
-                for idx, (k, v) in enumerate(prefill_kv):
+                for idx, (k, v, *seen) in enumerate(prefill_kv):
                     cache.update(k[local], v[local], idx)
+                    if seen:  # a sliding window filled by a chunked prefill: it has seen more than it holds
+                        layer = cache.layers[idx]
+                        if not getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length"):
+                            raise ValueError(f"Layer {idx} was prefilled as a sliding window but {type(layer).__name__}"
+                                             " is not one: build the method's cache with config=.")
+                        layer.cumulative_length = seen[0]
             parts.append((cache, rows))
         start += rows_per_method
     return StackedCache(parts, model_shape(config).num_layers)
@@ -306,6 +354,8 @@ class PerplexityResult:
     nll_sum: list[float]  # per window
     tokens: list[int]  # scored tokens per window
     bits_per_element: float | None = None  # held by the cache(s) at the end of the windows
+    # perplexity by position: (first position, last position + 1, nll sum over windows, tokens) per span
+    position_spans: list[tuple[int, int, float, int]] | None = None
 
     @property
     def perplexity(self) -> float:
@@ -319,9 +369,13 @@ class PerplexityResult:
         w = self.window_perplexities
         mean = sum(w) / len(w)
         std = math.sqrt(sum((x - mean) ** 2 for x in w) / max(len(w) - 1, 1))
-        return {"perplexity": self.perplexity, "scored_tokens": sum(self.tokens), "window_perplexities": w,
-                "window_min": min(w), "window_max": max(w), "window_std": std,
-                "bits_per_element_at_window_end": self.bits_per_element}
+        out = {"perplexity": self.perplexity, "scored_tokens": sum(self.tokens), "window_perplexities": w,
+               "window_min": min(w), "window_max": max(w), "window_std": std,
+               "bits_per_element_at_window_end": self.bits_per_element}
+        if self.position_spans:
+            out["by_position"] = [{"start": a, "stop": b, "perplexity": math.exp(s / n), "tokens": n}
+                                  for a, b, s, n in self.position_spans]
+        return out
 
 
 def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -339,35 +393,76 @@ def _check_protocol(window: int, prefill: int, chunk: int) -> None:
 
 @torch.no_grad()
 def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod], prefill: int = 512,
-                       chunk: int = 32, progress: bool = True) -> dict[str, PerplexityResult]:
+                       chunk: int = 32, progress: bool = True, score_every: int = 1,
+                       checkpoint: Callable[[int, dict[str, PerplexityResult]], None] | None = None,
+                       checkpoint_every: int = 64) -> dict[str, PerplexityResult]:
     """Chunked teacher-forced decode perplexity of every method, side by side.
 
     Per window: the first ``prefill`` tokens go into a fresh cache in one forward (not scored); the remaining
     tokens are fed in chunks of ``chunk`` through the same cache. Every token predicted in the chunk phase is
-    scored, the first one from the prefill's last logit: ``window - prefill`` tokens per window.
+    scored, the first one from the prefill's last logit: ``window - prefill`` tokens per window. The perplexity is
+    also reported per span of predicted-token positions between powers of two (``[prefill, 1024), [1024, 2048),
+    ...``: how quality changes with the context a token is predicted from).
+
+    ``score_every=k`` scores only the predicted positions ``prefill, prefill + k, ...`` (the model computes its
+    output head only there: on long windows of a model with a large vocabulary, such as Gemma 3's 262k, the head
+    is most of the cost); every token still goes through the caches in the same chunks.
+
+    ``checkpoint(position, partial)`` is called every ``checkpoint_every`` chunks with the results over the
+    positions scored so far (spans up to ``position``; bits/element left out), so that a long run that is stopped
+    keeps what it measured.
     """
     n_win, window = windows.shape
     _check_protocol(window, prefill, chunk)
+    if not isinstance(score_every, int) or score_every < 1:
+        raise ValueError(f"score_every must be a positive integer, got {score_every!r}.")
+    is_scored = torch.zeros(window, dtype=torch.bool)
+    is_scored[prefill::score_every] = True
     kv, first_logits = full_precision_prefill(model, windows[:, :prefill])
     cache = stacked_caches(methods, model.config, n_win, kv)
     del kv
     ids = windows.repeat(len(methods), 1)  # method-major rows
-    nll = _token_nll(first_logits.repeat(len(methods), 1), ids[:, prefill])
+    token_nll = torch.zeros(ids.shape[0], window, dtype=torch.float64)  # by the position of the predicted token
+    token_nll[:, prefill] = _token_nll(first_logits.repeat(len(methods), 1), ids[:, prefill])
+    nll = token_nll[:, prefill].clone()
     counts = torch.ones(ids.shape[0], dtype=torch.long)
     steps = range(prefill, window, chunk)
     for start in tqdm(steps, desc=f"perplexity ({len(methods)} methods x {n_win} windows)", disable=not progress):
         stop = min(start + chunk, window)
-        logits = model(ids[:, start:stop], **cache_kwarg(model, cache), use_cache=True).logits
-        targets = ids[:, start + 1:stop + 1]  # the last window token predicts nothing we can score
-        nll += _token_nll(logits[:, :targets.shape[1]], targets).sum(-1)
-        counts += targets.shape[1]
+        # the logit at chunk index j predicts position start + j + 1 (the last window token predicts nothing)
+        keep = torch.nonzero(is_scored[start + 1:stop + 1]).flatten()
+        extra = {} if score_every == 1 else {"logits_to_keep": keep}
+        logits = model(ids[:, start:stop], **cache_kwarg(model, cache), use_cache=True, **extra).logits
+        if score_every == 1:
+            logits = logits[:, :keep.numel()]
+        positions = start + 1 + keep
+        chunk_nll = _token_nll(logits, ids[:, positions])
+        token_nll[:, positions] = chunk_nll
+        nll += chunk_nll.sum(-1)
+        counts += keep.numel()
         del logits
+        done = (start - prefill) // chunk + 1
+        if checkpoint is not None and done % checkpoint_every == 0 and stop < window:
+            checkpoint(stop + 1, _results(methods, n_win, prefill, stop + 1, nll, counts, token_nll, is_scored))
+    bits = {}
+    for i, method in enumerate(methods):
+        rows = slice(i * n_win, (i + 1) * n_win)
+        parts = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
+                 if rows.start <= r.start < rows.stop]
+        bits[method.key] = sum(parts) / len(parts)
+    return _results(methods, n_win, prefill, window, nll, counts, token_nll, is_scored, bits)
+
+
+def _results(methods, n_win, prefill, end, nll, counts, token_nll, is_scored, bits=None) -> dict[str, PerplexityResult]:
+    """Per method: the perplexity over the positions scored before ``end``, and by span between powers of two."""
+    edges = [prefill] + [2 ** e for e in range(1, end.bit_length()) if prefill < 2 ** e < end] + [end]
     results = {}
     for i, method in enumerate(methods):
         rows = slice(i * n_win, (i + 1) * n_win)
-        bits = [cache_bits_per_element(c, model.config, r.stop - r.start) for c, r in cache.parts
-                if rows.start <= r.start < rows.stop]
-        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(), sum(bits) / len(bits))
+        by_span = [(a, b, token_nll[rows, a:b].sum().item(), int(is_scored[a:b].sum()) * n_win)
+                   for a, b in itertools.pairwise(edges) if b > a]
+        results[method.key] = PerplexityResult(nll[rows].tolist(), counts[rows].tolist(),
+                                               None if bits is None else bits[method.key], by_span)
     return results
 
 
@@ -387,11 +482,15 @@ def plain_perplexity(model, windows: torch.Tensor, prefill: int = 512, progress:
 # ---------------------------------------------------------------------------------------------------- decoding
 @torch.no_grad()
 def greedy_continuations(model, prompts: torch.Tensor, methods: list[CacheMethod], new_tokens: int,
-                         progress: bool = True, desc: str = "greedy decode") -> dict[str, torch.Tensor]:
+                         progress: bool = True, desc: str = "greedy decode",
+                         prefill_chunk: int = 2048) -> dict[str, torch.Tensor]:
     """Greedy tokens [P, new_tokens] per method for prompts [P, T] (one shared full-precision prefill, then
-    every method decodes through its own cache)."""
+    every method decodes through its own cache). Prompts over 2048 tokens are prefilled one at a time in chunks
+    of ``prefill_chunk`` tokens."""
     n = prompts.shape[0]
-    kv, first_logits = full_precision_prefill(model, prompts, batch_size=1 if prompts.shape[1] > 2048 else None)
+    long = prompts.shape[1] > 2048
+    kv, first_logits = full_precision_prefill(model, prompts, batch_size=1 if long else None,
+                                              chunk=prefill_chunk if long else None)
     cache = stacked_caches(methods, model.config, n, kv)
     del kv
     token = first_logits.argmax(-1).repeat(len(methods))[:, None]

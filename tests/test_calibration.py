@@ -295,3 +295,72 @@ def test_calibration_data_round_trip(tokenizer, tmp_path):
     choices = [fit_layer(s, LayerErrorProbe([h], 8, 32, torch.float16), 16) for s, h in
                zip(back.stats, back.held_out[0])]
     assert all(math.isfinite(c.key_error) for c in choices)
+
+
+def tiny_hybrid_gemma3():
+    """A tiny Gemma 3 with sliding-window layers 0, 1, 3 and full-attention layer 2 (window 64)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                        "sliding_attention"], max_position_embeddings=1024, attn_implementation="sdpa")
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def test_hybrid_model_calibrates_only_the_quantized_layers(tokenizer, tmp_path):
+    """Sliding-window layers keep transformers' window (not quantized), so calibration skips them; the artifact
+    records which layers are calibrated and loads back into the same per-layer recipes."""
+    import json
+
+    from hf_kvint2.hub import ArtifactError
+
+    model = tiny_hybrid_gemma3()
+    cache = OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                 **SETTINGS)
+    cal = cache.calibration
+    assert cal.info["calibrated_layers"] == [2]
+    assert cal.info["layer_types"][2] == "full_attention"
+    assert [p is not None for p in cal.layer_layouts] == [False, False, True, False]
+    assert cal.k_rotations[0] is None and cal.k_rotations[2] is not None
+    folder = Path(cache.save_pretrained(tmp_path / "art") or tmp_path / "art")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["calibrated_layers"] == [2]
+    loaded = OscarCache.from_pretrained(folder, config=model.config)
+    got, want = loaded.layers[2].recipe, cache.layers[2].recipe
+    assert (got.key, got.value) == (want.key, want.value)
+    assert torch.equal(got.key_rotation, want.key_rotation) and torch.equal(got.value_rotation, want.value_rotation)
+    ids = tokenizer(TEXT[:400], return_tensors="pt").input_ids
+    with torch.no_grad():
+        a = model(ids, past_key_values=cache).logits
+        b = model(ids, past_key_values=loaded).logits
+    assert torch.equal(a, b)
+    for bad, message in (([0, 2], "no calibrated layout"),
+                         ([], "non-empty ascending"), ([2, 2], "non-empty ascending")):
+        edited = dict(config, calibrated_layers=bad)
+        (folder / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(ArtifactError, match=message):
+            OscarCache.from_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "calibrated_layers"}))
+    with pytest.raises(ArtifactError, match="give all or none"):
+        OscarCache.from_pretrained(folder)
+
+
+def test_shipped_gemma3_artifact_calibrates_the_full_attention_layers():
+    """The embedded Gemma 3 270M calibration (derived statistics only: rotations, means, layouts) loads offline,
+    records its calibrated layers and leaves the 15 sliding-window layers uncalibrated."""
+    from transformers import Gemma3TextConfig
+
+    from hf_kvint2 import hub
+
+    cache = OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID)
+    cal = cache.calibration
+    assert cal.info["calibrated_layers"] == [5, 11, 17]
+    assert [i for i, p in enumerate(cal.layer_layouts) if p is not None] == [5, 11, 17]
+    assert all(cal.k_rotations[i] is None for i in range(18) if i not in (5, 11, 17))
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=18,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512)
+    assert config.layer_types[5::6] == ["full_attention"] * 3  # transformers' default pattern: that of the model
+    built = OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID, config=config)
+    assert [i for i, layer in enumerate(built.layers) if hasattr(layer, "recipe")] == [5, 11, 17]

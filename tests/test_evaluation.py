@@ -187,3 +187,50 @@ def test_smollm2_chunked_equals_plain_forward():
     chunked = chunked_perplexity(model, ids, [FP], prefill=256, chunk=32, progress=False)["fp"]
     plain = plain_perplexity(model, ids, prefill=256, progress=False)
     assert abs(chunked.perplexity / plain.perplexity - 1) < 1e-3
+
+
+def test_hybrid_model_stacks_sliding_layers_and_counts_quantized_layer_bits(windows):
+    """Gemma 3-style stack (sliding layers window 64): the stacked caches report each layer's kind, so the masks
+    fit (chunked == plain forward with sliding layers past their window), and bits/element covers the
+    full-attention layers (the sliding windows are the same full-precision window in every method)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              max_position_embeddings=1024, attn_implementation="sdpa")
+    model = Gemma3ForCausalLM(config).eval()
+    methods = [FP, _method("oscar_scaled", lambda cfg: OscarScaledCache(config=cfg))]
+    got = chunked_perplexity(model, windows, methods, prefill=128, chunk=32, progress=False)
+    plain = plain_perplexity(model, windows, prefill=128, progress=False)
+    assert abs(got["fp"].perplexity / plain.perplexity - 1) < 1e-3
+    assert got["fp"].bits_per_element == 32.0  # the one full-attention layer, fp32
+    spans = got["fp"].position_spans  # perplexity by position: the spans cover every scored token once
+    assert spans[0][0] == 128 and spans[-1][1] == windows.shape[1]
+    assert sum(n for *_, n in spans) == sum(got["fp"].tokens)
+    assert sum(s for _, _, s, _ in spans) == pytest.approx(sum(got["fp"].nll_sum), rel=1e-12)
+    # score_every=k: the output head runs only at every k-th predicted position; same NLL there as a plain forward
+    sampled = chunked_perplexity(model, windows, [FP], prefill=128, chunk=32, progress=False, score_every=8)["fp"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(windows).logits.float(), -1)
+    pos = torch.arange(128, windows.shape[1], 8)
+    ref = -logp[:, pos - 1].gather(-1, windows[:, pos, None]).squeeze(-1).double().sum(-1)
+    assert sampled.tokens == [len(pos)] * 2
+    assert sampled.nll_sum == pytest.approx(ref.tolist(), rel=1e-4)
+    assert math.isfinite(got["oscar_scaled"].perplexity)
+    # a chunked full-precision prefill (long prompts) restores the sliding windows with the tokens they have seen
+    from hf_kvint2.evaluation import full_precision_prefill, stacked_caches
+
+    prompt = windows[:, :300]
+    kv, last = full_precision_prefill(model, prompt, batch_size=1, chunk=64)
+    assert len(kv[0]) == 3 and kv[0][2] == 300 and len(kv[1]) == 2  # sliding: (K, V, seen); full: (K, V)
+    stacked = stacked_caches(methods, config, 2, kv)
+    with torch.no_grad():
+        ref = model(windows[:, :301]).logits[:, -1]
+        got = model(windows[:, 300:301].repeat(2, 1), past_key_values=stacked).logits[:, -1]
+        assert torch.allclose(last, model(prompt).logits[:, -1], atol=1e-4)
+    assert torch.allclose(got[:2], ref, atol=1e-4)  # the full-precision rows
+    fp16 = bits_at_length(methods[0], config, 4096, dtype=torch.float16)
+    assert fp16 == 16.0
+    assert 2.0 < bits_at_length(methods[1], config, 4096, dtype=torch.float16) < 4.0

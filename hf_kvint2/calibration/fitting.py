@@ -146,11 +146,15 @@ def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: i
 
 def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True), fit_clip: bool = True,
                clip_grid=DEFAULT_CLIP_GRID, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
-               scale_dtype: torch.dtype = torch.float16, progress: bool = True) -> list[LayerChoice]:
+               scale_dtype: torch.dtype = torch.float16, progress: bool = True) -> list[LayerChoice | None]:
+    """One :class:`LayerChoice` per layer, None for the layers without statistics (not calibrated)."""
     from tqdm.auto import tqdm
 
-    choices = []
+    choices: list[LayerChoice | None] = []
     for idx in tqdm(range(data.num_layers), desc="fitting layouts and clips", unit="layer", disable=not progress):
+        if data.stats[idx] is None:
+            choices.append(None)
+            continue
         held = [w[idx] for w in data.held_out]
         probe = LayerErrorProbe(held, sink_tokens, recent_tokens, scale_dtype) if held else None
         choices.append(fit_layer(data.stats[idx], probe, data.head_dim, layouts=layouts, centering=centering,

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import is_main_process
+from ..model_config import layer_types
 from ..settings import OscarCalibration, OscarSettings
-from .fitting import DEFAULT_CLIP_GRID, LAYOUTS, LayerChoice, fit_layers
+from .fitting import DEFAULT_CLIP_GRID, DEFAULT_K_CLIP, DEFAULT_V_CLIP, LAYOUTS, LayerChoice, fit_layers
 from .statistics import CalibrationData, _peak_memory_bytes, collect_statistics
 
 
@@ -27,22 +28,29 @@ class CalibrationResult:
     report: dict
 
 
-def calibration_from_choices(choices: Sequence[LayerChoice], info: dict | None = None) -> OscarCalibration:
-    """Every layer stored as its :class:`LayerChoice` says (the clips are in the layouts)."""
+def calibration_from_choices(choices: Sequence[LayerChoice | None], info: dict | None = None) -> OscarCalibration:
+    """Every layer stored as its :class:`LayerChoice` says (the clips are in the layouts); a None choice (a layer
+    not calibrated, e.g. sliding-window) has None entries: stored like an uncalibrated OscarCache layer if ever
+    quantized."""
+    def each(get):
+        return [None if c is None else get(c) for c in choices]
+
     return OscarCalibration(
-        k_rotations=[c.key.rotation for c in choices], v_rotations=[c.value.rotation for c in choices],
-        key_means=[c.key.mean for c in choices], value_means=[c.value.mean for c in choices],
-        layer_layouts=[(c.key.layout, c.value.layout) for c in choices],
-        k_eigenvalues=[c.key.eigenvalues for c in choices], v_eigenvalues=[c.value.eigenvalues for c in choices],
-        layout_names=[f"key={c.key.name} value={c.value.name}" for c in choices], info=dict(info or {}))
+        k_rotations=each(lambda c: c.key.rotation), v_rotations=each(lambda c: c.value.rotation),
+        key_means=each(lambda c: c.key.mean), value_means=each(lambda c: c.value.mean),
+        layer_layouts=each(lambda c: (c.key.layout, c.value.layout)),
+        k_eigenvalues=each(lambda c: c.key.eigenvalues), v_eigenvalues=each(lambda c: c.value.eigenvalues),
+        layout_names=each(lambda c: f"key={c.key.name} value={c.value.name}"), info=dict(info or {}))
 
 
-def settings_from_choices(choices: Sequence[LayerChoice], *, sink_tokens: int = 64, recent_tokens: int = 256,
+def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens: int = 64, recent_tokens: int = 256,
                           group_size: int = 128, scale_dtype: torch.dtype = torch.float16) -> OscarSettings:
-    """The windows and group size calibrated with, and each layer's chosen clip ratios."""
+    """The windows and group size calibrated with, and each layer's chosen clip ratios (the reference clips for
+    layers not calibrated)."""
     return OscarSettings(sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                         k_clip=tuple(c.key.layout.clip for c in choices),
-                         v_clip=tuple(c.value.layout.clip for c in choices), scale_dtype=scale_dtype)
+                         k_clip=tuple(DEFAULT_K_CLIP if c is None else c.key.layout.clip for c in choices),
+                         v_clip=tuple(DEFAULT_V_CLIP if c is None else c.value.layout.clip for c in choices),
+                         scale_dtype=scale_dtype)
 
 
 def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], config, data_description: str,
@@ -60,7 +68,10 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
         "method": "two-pass streaming qqt/sst metrics, per-layer layout and clip by held-back attention error",
         "candidates": {"layouts": list(layouts), "centering": list(centering), "fit_clip": fit_clip,
                        "clip_grid": [float(r) for r in clip_grid] if fit_clip else None},
-        "attention_error": {"key": [c.key_error for c in choices], "value": [c.value_error for c in choices]},
+        "layer_types": layer_types(config),
+        "calibrated_layers": data.calibrated_layers,
+        "attention_error": {"key": [None if c is None else c.key_error for c in choices],
+                            "value": [None if c is None else c.value_error for c in choices]},
     }
 
 
@@ -70,7 +81,8 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
                     sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
                     scale_dtype: torch.dtype = torch.float16, data_description: str | None = None,
                     model_id: str | None = None, model_revision: str | None = None, value_pass: str = "spill",
-                    spill_dir: str | None = None, progress: bool = True) -> CalibrationResult:
+                    spill_dir: str | None = None, layers: Sequence[int] | None = None,
+                    progress: bool = True) -> CalibrationResult:
     """Calibrate OSCAR for ``model`` on ``texts`` (what :meth:`hf_kvint2.OscarCache.calibrate` runs; the arguments
     are documented there)."""
     layouts, centering = tuple(layouts), tuple(centering)
@@ -89,7 +101,7 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
     data = collect_statistics(model, tokenizer, texts, num_tokens=num_tokens, text_window=text_window,
                               fit_windows=fit_windows if choosing else 0, fit_queries=fit_queries,
                               sink_tokens=sink_tokens, recent_tokens=recent_tokens, value_pass=value_pass,
-                              spill_dir=spill_dir, progress=progress)
+                              spill_dir=spill_dir, layers=layers, progress=progress)
     fit_start = time.perf_counter()
     choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
                          sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
@@ -131,7 +143,11 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
     lines.append(f"  {'layer':>5}  {'key layout':<16}{'k clip':>7}{'k err':>10}  {'value layout':<16}{'v clip':>7}"
                  f"{'v err':>10}")
     errors = info.get("attention_error", {})
+    types = info.get("layer_types") or [None] * len(calibration.layer_layouts)
     for i, pair in enumerate(calibration.layer_layouts):
+        if pair is None:
+            lines.append(f"  {i:>5}  not calibrated ({types[i] or 'not quantized'}: kept as the model's window)")
+            continue
         kname, vname = calibration.layout_names[i].removeprefix("key=").split(" value=")
         ke, ve = errors.get("key", [None] * (i + 1))[i], errors.get("value", [None] * (i + 1))[i]
         fmt = lambda e: "-" if e is None or math.isnan(e) else f"{e:.2e}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import is_main_process, resolve_shard, tp_group
-from ..model_config import model_shape
+from ..model_config import layer_types, model_shape
 from .capture import capture_attention, tokenize_texts
 
 
@@ -110,26 +110,34 @@ class HeldOutLayer:
 class CalibrationData:
     """Everything the two passes produced (statistics per layer, held-back windows) and how they were made."""
 
-    stats: list[LayerStatistics]
-    held_out: list[list[HeldOutLayer]]  # [window][layer]
+    stats: list[LayerStatistics | None]  # None: a layer not calibrated (not quantized by the cache)
+    held_out: list[list[HeldOutLayer | None]]  # [window][layer]
     num_layers: int
     kv_heads: int
     head_dim: int
     info: dict = field(default_factory=dict)
 
+    @property
+    def calibrated_layers(self) -> list[int]:
+        """The layers with statistics: those the cache quantizes (full attention; not sliding-window layers)."""
+        return [i for i, s in enumerate(self.stats) if s is not None]
+
     def save(self, path) -> None:
         """Write everything to one safetensors file (for re-fitting variants without re-running the model)."""
         from safetensors.torch import save_file
 
-        tensors = {f"stats.{i}.{n}": getattr(s, n) for i, s in enumerate(self.stats) for n in LayerStatistics._STATE
-                   if getattr(s, n) is not None}
+        tensors = {f"stats.{i}.{n}": getattr(s, n) for i, s in enumerate(self.stats) if s is not None
+                   for n in LayerStatistics._STATE if getattr(s, n) is not None}
         scaling = []
         for w, layers in enumerate(self.held_out):
-            scaling.append([h.scaling for h in layers])
+            scaling.append([None if h is None else h.scaling for h in layers])
             for i, h in enumerate(layers):
+                if h is None:
+                    continue
                 tensors.update({f"held.{w}.{i}.{n}": getattr(h, n).clone(memory_format=torch.contiguous_format) for n in ("q", "k", "v", "positions")})
         meta = {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "info": self.info, "counts": [(s.q_count, s.kv_count) for s in self.stats], "scaling": scaling}
+                "info": self.info, "counts": [None if s is None else (s.q_count, s.kv_count) for s in self.stats],
+                "scaling": scaling}
         save_file(tensors, str(path), metadata={"calibration_data": json.dumps(meta)})
 
     @classmethod
@@ -140,15 +148,26 @@ class CalibrationData:
             meta = json.loads(f.metadata()["calibration_data"])
             t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
         stats = []
-        for i, (q_count, kv_count) in enumerate(meta["counts"]):
+        for i, counts in enumerate(meta["counts"]):
+            if counts is None:
+                stats.append(None)
+                continue
+            q_count, kv_count = counts
             s = LayerStatistics(meta["kv_heads"], meta["head_dim"])
             for n in LayerStatistics._STATE:
                 setattr(s, n, t.get(f"stats.{i}.{n}"))
             s.q_count, s.kv_count = q_count, kv_count
             stats.append(s)
-        held = [[HeldOutLayer(*(t[f"held.{w}.{i}.{n}"] for n in ("q", "k", "v", "positions")), sc)
+        held = [[None if sc is None else HeldOutLayer(*(t[f"held.{w}.{i}.{n}"] for n in ("q", "k", "v", "positions")),
+                                                      sc)
                  for i, sc in enumerate(layer_scaling)] for w, layer_scaling in enumerate(meta["scaling"])]
         return cls(stats, held, meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["info"])
+
+
+def quantized_layers(config) -> list[int]:
+    """The layers an OSCAR cache built with ``config=`` quantizes: the full-attention ones (sliding-window and
+    chunked layers keep transformers' full-precision window)."""
+    return [i for i, kind in enumerate(layer_types(config)) if kind == "full_attention"]
 
 
 def _query_positions(text_window: int, count: int, sink: int, recent: int) -> torch.Tensor:
@@ -170,8 +189,12 @@ def _peak_memory_bytes(device) -> int:
 def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: int = 30000, text_window: int = 2048,
                        fit_windows: int = 1, fit_queries: int = 256, sink_tokens: int = 64,
                        recent_tokens: int = 256, value_pass: str = "spill", spill_dir: str | None = None,
-                       progress: bool = True) -> CalibrationData:
-    """Run the two capture passes (see the module docstring) and return the accumulated statistics."""
+                       layers: Sequence[int] | None = None, progress: bool = True) -> CalibrationData:
+    """Run the two capture passes (see the module docstring) and return the accumulated statistics.
+
+    ``layers``: the layer indices to calibrate; default :func:`quantized_layers` (the full-attention layers: the
+    caches keep sliding-window layers as transformers' full-precision window, so their statistics would go
+    unused, and fitting them against full causal attention would measure an error their attention never sees)."""
     from safetensors.torch import load_file, save_file
     from tqdm.auto import tqdm
 
@@ -180,6 +203,9 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
                          f"model twice), got {value_pass!r}.")
 
     num_layers, _q_heads, kv_heads, head_dim = model_shape(model.config)
+    wanted = quantized_layers(model.config) if layers is None else sorted(set(layers))
+    if not wanted or any(not isinstance(i, int) or not 0 <= i < num_layers for i in wanted):
+        raise ValueError(f"layers must be a non-empty list of layer indices in [0, {num_layers}), got {layers!r}.")
     # Tensor parallelism: this rank captures its slice of the query and KV heads; the per-head statistics are
     # gathered at the end, so that every rank fits the artifact one process would fit.
     shard = resolve_shard(model.config, tp_group(model))
@@ -199,7 +225,7 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
     held_windows = [ids[stat_tokens + i * text_window: stat_tokens + (i + 1) * text_window] for i in range(fit_windows)]
     positions = _query_positions(text_window, fit_queries, sink_tokens, recent_tokens) if fit_windows else None
 
-    stats = [LayerStatistics(local_kv_heads, head_dim) for _ in range(num_layers)]
+    stats = [LayerStatistics(local_kv_heads, head_dim) if idx in wanted else None for idx in range(num_layers)]
     held_out: list[list[HeldOutLayer | None]] = []
     device = next(model.parameters()).device
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model  # no LM head: logits are not needed
@@ -210,6 +236,8 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
         idx = getattr(module, "layer_idx", None)
         if idx is None:
             raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot attribute its activations.")
+        if stats[idx] is None:  # not calibrated (a sliding-window layer)
+            return
         if query.shape[0] != 1 or key.shape[1] != local_kv_heads or key.shape[-1] != head_dim or \
                 value.shape != key.shape:
             raise RuntimeError(f"Layer {idx}: unexpected attention shapes q={tuple(query.shape)} "
@@ -240,25 +268,30 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
                 path = os.path.join(spill_folder, f"window{i}.safetensors")
                 if pass_no == 2 and value_pass == "spill":
                     kv = load_file(path)
-                    for idx in range(num_layers):
+                    for idx in wanted:
                         stats[idx].add_pass2(kv[f"{idx}.k"].to(device), kv[f"{idx}.v"].to(device))
                     del kv
                     os.remove(path)
                 else:
                     decoder(input_ids=w[None].to(device), use_cache=False)
                     if spilled:
-                        if len(spilled) != 2 * num_layers:
-                            raise RuntimeError(f"Captured {len(spilled) // 2} of {num_layers} layers: some attention "
+                        if len(spilled) != 2 * len(wanted):
+                            raise RuntimeError(f"Captured {len(spilled) // 2} of {len(wanted)} layers: some attention "
                                                "layers do not go through transformers' attention interface.")
                         save_file(spilled, path)
                         spilled.clear()
                 bar.update(len(w))
             if pass_no == 1:
                 for s in stats:
-                    s.finish_pass1()
+                    if s is not None:
+                        s.finish_pass1()
                 for w in held_windows:  # captured raw; rotations are applied when fitting
                     state["held"] = [None] * num_layers
                     decoder(input_ids=w[None].to(device), use_cache=False)
+                    missing = [idx for idx in wanted if state["held"][idx] is None]
+                    if missing:
+                        raise RuntimeError(f"Layers {missing} were not captured on the held-back window: some "
+                                           "attention layers do not go through transformers' attention interface.")
                     held_out.append(state["held"])
                     state["held"] = None
                     bar.update(len(w))
@@ -283,9 +316,13 @@ def _gather_heads(stats: list[LayerStatistics], held_out: list[list[HeldOutLayer
     are per head and the same on every rank.
     """
     for s in stats:
+        if s is None:
+            continue
         for name in ("qq", "k_sum", "v_sum", "wvv", "wv", "w_sum", "query_metric"):
             setattr(s, name, shard.all_gather_heads(getattr(s, name)))
         s.kv_heads = shard.global_kv_heads
     for window in held_out:
         for layer in window:
+            if layer is None:
+                continue
             layer.q, layer.k, layer.v = (shard.all_gather_heads(t) for t in (layer.q, layer.k, layer.v))

@@ -58,6 +58,8 @@ from .card import CARD_NAME, CARD_TEMPLATE, quality_markdown, render_card
 from .files import (
     EMBEDDED_ARTIFACTS,
     EMBEDDED_ARTIFACTS_DIR,
+    GEMMA3_ARTIFACT_DIR,
+    GEMMA3_ARTIFACT_ID,
     SMOLLM2_ARTIFACT_DIR,
     SMOLLM2_ARTIFACT_ID,
     load_artifact,
@@ -134,7 +136,8 @@ class CacheHubMixin:
 
 __all__ = [
     "CARD_NAME", "CARD_TEMPLATE", "CONFIG_NAME", "EMBEDDED_ARTIFACTS", "EMBEDDED_ARTIFACTS_DIR", "FORMAT_VERSION",
-    "OSCAR_FORMAT", "OSCAR_SCALED_FORMAT", "SHAPE_KEYS", "SMOLLM2_ARTIFACT_DIR", "SMOLLM2_ARTIFACT_ID",
+    "GEMMA3_ARTIFACT_DIR", "GEMMA3_ARTIFACT_ID", "OSCAR_FORMAT", "OSCAR_SCALED_FORMAT", "SHAPE_KEYS",
+    "SMOLLM2_ARTIFACT_DIR", "SMOLLM2_ARTIFACT_ID",
     "TENSORS_NAME", "ZOO_K_METHOD", "ZOO_V_METHOD", "ArtifactError", "CacheHubMixin", "artifact_payload",
     "check_config", "check_shape", "check_update", "decode_payload", "load_artifact", "load_rotation_zoo",
     "model_shape_from_config", "quality_markdown", "render_card", "resolve_file", "write_artifact",

@@ -125,6 +125,28 @@ def _encode_oscar(cache) -> tuple[dict, dict[str, torch.Tensor], dict]:
     return layers, tensors, inferred
 
 
+def _calibrated_layers_entry(cache) -> dict:
+    """``{"calibrated_layers": [...]}`` when only some layers are calibrated (a hybrid model: the sliding-window
+    layers are not quantized, so not calibrated); nothing when all or none are (older artifacts unchanged)."""
+    layouts = getattr(getattr(cache, "calibration", None), "layer_layouts", None)
+    if not layouts or all(p is not None for p in layouts):
+        return {}
+    return {"calibrated_layers": [i for i, p in enumerate(layouts) if p is not None]}
+
+
+def _check_calibrated_layers(config: dict, n: int, where: str) -> list[int] | None:
+    """The validated ``calibrated_layers`` of config.json (None when absent: all or none calibrated)."""
+    listed = config.get("calibrated_layers")
+    if listed is None:
+        return None
+    if not isinstance(listed, list) or not listed or \
+            any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n for i in listed) or \
+            listed != sorted(set(listed)):
+        raise _fail(where, f"calibrated_layers must be a non-empty ascending list of distinct layer indices in "
+                           f"[0, {n}) (the layers with a calibration), got {listed!r}.")
+    return listed
+
+
 def _model_shape_of(cache, inferred: dict) -> dict:
     """The shapes to record: from the model config, a loaded artifact, the calibration, tensors, live layers."""
     sources = []
@@ -160,6 +182,7 @@ def artifact_payload(cache, *, base_model: str | None = None, base_model_revisio
         **_model_shape_of(cache, inferred),
         "settings": cache.settings.to_dict(),
         "layers": layers,
+        **_calibrated_layers_entry(cache),
         "calibration": calibration,
         "quality": quality if quality is not None else cache.quality,
     }
@@ -275,6 +298,7 @@ def _decode_oscar_layers(config: dict, tensors: dict, where: str) -> dict:
     lists = {k: [None] * n for k in ("k_rotations", "v_rotations", "k_eigenvalues", "v_eigenvalues",
                                      "key_means", "value_means")}
     layouts, names, used = [None] * n, [None] * n, set()
+    calibrated = _check_calibrated_layers(config, n, f"{where}, {CONFIG_NAME}")
     for i, entry in enumerate(layers):
         at = f"{where}, layer {i}"
         if not isinstance(entry, dict):
@@ -303,14 +327,22 @@ def _decode_oscar_layers(config: dict, tensors: dict, where: str) -> dict:
             raise _fail(at, f"config.json key layers[{i}].layout must be a string (the layout's name) or null, got "
                             f"{name!r} ({type(name).__name__}).")
         layouts[i], names[i] = (pair if pair[0] is not None else None), name
+        if calibrated is not None:
+            stored = pair[0] is not None or any(lists[listname][i] is not None for listname in lists)
+            if i in calibrated and pair[0] is None:
+                raise _fail(at, "is listed in calibrated_layers but has no calibrated layout.")
+            if i not in calibrated and stored:
+                raise _fail(at, "is not listed in calibrated_layers but has a calibrated layout or tensors; "
+                                "calibrated_layers must name exactly the calibrated layers.")
     unexpected = sorted(set(tensors) - used)
     if unexpected:
         raise _fail(where, f"{TENSORS_NAME} has tensors that config.json does not list: {unexpected[:5]}.")
     kwargs = {k: (v if any(t is not None for t in v) else None) for k, v in lists.items()
               if k in ("k_rotations", "v_rotations", "key_means", "value_means")}
     if any(p is not None for p in layouts):
-        if any(p is None for p in layouts):
-            raise _fail(where, "some layers have calibrated layouts and some do not; give all or none.")
+        if calibrated is None and any(p is None for p in layouts):
+            raise _fail(where, "some layers have calibrated layouts and some do not; give all or none, or list the "
+                               "calibrated ones in calibrated_layers.")
         kwargs["layer_layouts"] = layouts
     kwargs.update(
         k_eigenvalues=lists["k_eigenvalues"] if any(t is not None for t in lists["k_eigenvalues"]) else None,
@@ -324,7 +356,11 @@ def _apply_clip_override(layouts, key_clip, value_clip):
     def pick(v, i):
         return v[i] if isinstance(v, (list, tuple)) else v
     out = []
-    for i, (k, v) in enumerate(layouts):
+    for i, pair in enumerate(layouts):
+        if pair is None:  # a layer not calibrated: its clips come from the settings (overridden there too)
+            out.append(None)
+            continue
+        k, v = pair
         out.append((replace(k, clip=pick(key_clip, i)) if key_clip is not _UNSET else k,
                     replace(v, clip=pick(value_clip, i)) if value_clip is not _UNSET else v))
     return out

@@ -33,7 +33,11 @@ def render_card(config: dict, cls_name: str, repo_id: str | None = None, subfold
             value = config["settings"].get(f"{kind}_clip")
             value = value[i] if isinstance(value, list) else value
             return "none" if value is None else f"{value:.3g}"
-        rows.append([str(i), layer.get("layout") or "-",
+        listed, types = config.get("calibrated_layers"), calib.get("layer_types") or []
+        layout = layer.get("layout") or "-"
+        if listed is not None and i not in listed:  # a hybrid model's layer the cache does not quantize
+            layout = f"not calibrated ({types[i] if i < len(types) else 'not quantized'})"
+        rows.append([str(i), layout,
                      "stored" if layer.get("key_rotation") else "Hadamard", groups(layer.get("key_layout")),
                      clip(layer.get("key_layout"), "k"),
                      "stored" if layer.get("value_rotation") else "Hadamard", groups(layer.get("value_layout")),

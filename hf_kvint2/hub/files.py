@@ -28,7 +28,11 @@ SMOLLM2_ARTIFACT_ID = "hf-kvint2/SmolLM2-135M-Instruct-oscar"
 # The calibration of SmolLM2-135M-Instruct on Pride and Prejudice: written with
 # ``cache.save_pretrained(SMOLLM2_ARTIFACT_DIR)`` by calibration_scripts/calibrate_oscar.py.
 SMOLLM2_ARTIFACT_DIR = EMBEDDED_ARTIFACTS_DIR / "SmolLM2-135M-Instruct-oscar"
-EMBEDDED_ARTIFACTS = {SMOLLM2_ARTIFACT_ID: SMOLLM2_ARTIFACT_DIR}
+GEMMA3_ARTIFACT_ID = "hf-kvint2/gemma-3-270m-oscar"
+# The calibration of Gemma 3 270M on Pride and Prejudice (its 3 full-attention layers; the 15 sliding-window layers
+# keep transformers' window and are not calibrated): calibration_scripts/calibrate_oscar.py --model gemma3.
+GEMMA3_ARTIFACT_DIR = EMBEDDED_ARTIFACTS_DIR / "gemma-3-270m-oscar"
+EMBEDDED_ARTIFACTS = {SMOLLM2_ARTIFACT_ID: SMOLLM2_ARTIFACT_DIR, GEMMA3_ARTIFACT_ID: GEMMA3_ARTIFACT_DIR}
 
 
 def _hub_errors():
