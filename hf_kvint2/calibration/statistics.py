@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..distributed import is_main_process, resolve_shard, tp_group
-from ..model_config import layer_types, model_shape
+from ..model_config import model_shape, quantized_layers
 from .capture import capture_attention, tokenize_texts
 
 
@@ -162,12 +162,6 @@ class CalibrationData:
                                                       sc)
                  for i, sc in enumerate(layer_scaling)] for w, layer_scaling in enumerate(meta["scaling"])]
         return cls(stats, held, meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["info"])
-
-
-def quantized_layers(config) -> list[int]:
-    """The layers an OSCAR cache built with ``config=`` quantizes: the full-attention ones (sliding-window and
-    chunked layers keep transformers' full-precision window)."""
-    return [i for i, kind in enumerate(layer_types(config)) if kind == "full_attention"]
 
 
 def _query_positions(text_window: int, count: int, sink: int, recent: int) -> torch.Tensor:
