@@ -60,7 +60,32 @@ def body_len(tokens_past_sink, recent_tokens: int, block: int):
     return max(tokens_past_sink - recent_tokens, 0) // block * block
 
 
-class StaticOscarLayer(CacheLayerMixin):
+class FixedShapeLayerMixin:
+    """What every fixed-shape (static, exportable) layer does alike: beam reordering in place, and clear refusals
+    of the batch changes and offloading its preallocated buffers cannot follow. Needs ``state_tensors()``,
+    ``is_initialized``, ``batch_size`` and ``_name``."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: reorder batch rows in place (buffers keep their addresses)."""
+        if self.is_initialized:
+            for t in self.state_tensors():
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError(f"{self._name}: a static cache has a fixed batch size; build it for batch "
+                         f"{self.batch_size * repeats} instead of repeating it.")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError(f"{self._name}: a static cache has a fixed batch size; build it for the batch you run.")
+
+    def offload(self):
+        raise ValueError("A static Oscar cache does not support offloading.")
+
+    def prefetch(self):
+        pass
+
+
+class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
     """Fixed-shape cache layer with :class:`OscarLayer` numerics (see the module docstring for the storage).
 
     ``attention_block``: body tokens dequantized at a time by the attention (rounded to the demotion block);
@@ -418,25 +443,6 @@ class StaticOscarLayer(CacheLayerMixin):
             raise ValueError(f"{self._name}: a static Oscar cache cannot be cropped (tokens that left the "
                              "full-precision window are quantized and their full-precision slots reused). Use "
                              "OscarCache / OscarScaledCache for assisted or prompt-lookup decoding.")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: reorder batch rows in place (buffers keep their addresses)."""
-        if self.is_initialized:
-            for t in self.state_tensors():
-                t.copy_(t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ValueError(f"{self._name}: a static cache has a fixed batch size; build it for batch "
-                         f"{self.batch_size * repeats} instead of repeating it.")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise ValueError(f"{self._name}: a static cache has a fixed batch size; build it for the batch you run.")
-
-    def offload(self):
-        raise ValueError("A static Oscar cache does not support offloading.")
-
-    def prefetch(self):
-        pass
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes allocated, by kind (static: the same at every step)."""

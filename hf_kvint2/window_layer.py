@@ -23,7 +23,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .quant import tracing
 from .read_path import dense_partial, mask_to_additive
-from .static_layer import _cache_position_from
+from .static_layer import FixedShapeLayerMixin, _cache_position_from
 
 _NEG_INF = float("-inf")
 
@@ -49,7 +49,7 @@ def window_memory_bytes(layer) -> dict[str, int]:
             "allocated": sum(storages.values())}
 
 
-class StaticWindowLayer(CacheLayerMixin):
+class StaticWindowLayer(FixedShapeLayerMixin, CacheLayerMixin):
     """Fixed-shape sliding-window layer: a full-precision ring of ``min(sliding_window, max_cache_len)`` slots.
 
     After a step at positions ``p0 .. p1 - 1`` the ring holds positions ``p1 - ring .. p1 - 1``; a query at ``p``
@@ -252,24 +252,6 @@ class StaticWindowLayer(CacheLayerMixin):
         if tokens_to_remove:
             raise ValueError(f"{self._name}: a static Oscar cache cannot be cropped. Use OscarCache / "
                              "OscarScaledCache for assisted or prompt-lookup decoding.")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:
-            for t in self.state_tensors():
-                t.copy_(t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ValueError(f"{self._name}: a static cache has a fixed batch size; build it for batch "
-                         f"{self.batch_size * repeats} instead of repeating it.")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise ValueError(f"{self._name}: a static cache has a fixed batch size; build it for the batch you run.")
-
-    def offload(self):
-        raise ValueError("A static Oscar cache does not support offloading.")
-
-    def prefetch(self):
-        pass
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes allocated (static: the same at every step): the ring, full precision."""
