@@ -11,6 +11,7 @@ Writes <out>.json (all numbers), <out>.md (the README table) and <out>.png (perp
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -84,7 +85,27 @@ def calibrated_factory(args):
     if not hasattr(OscarCache, "from_pretrained"):
         raise RuntimeError("This hf_kvint2 has no OscarCache.from_pretrained; cannot load the calibration.")
     OscarCache.from_pretrained(source)  # fail early with the loader's own error
-    return lambda cfg: OscarCache.from_pretrained(source, config=cfg)
+    factory = lambda cfg: OscarCache.from_pretrained(source, config=cfg)
+    factory.artifact = artifact_record(source)
+    return factory
+
+
+def artifact_record(source: str) -> dict:
+    """Which calibration a run used: its id or folder and, for a folder here (an embedded id included), the SHA-256
+    of each of its files, so that a result names the exact artifact."""
+    import hashlib
+
+    folder = Path(source)
+    try:
+        from hf_kvint2 import hub
+
+        folder = Path(hub.EMBEDDED_ARTIFACTS.get(source, folder))
+    except (ImportError, AttributeError):
+        pass
+    files = {}
+    if folder.is_dir():
+        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    return {"source": source, "sha256": files}
 
 
 def available_backends() -> tuple[str, ...]:
@@ -212,7 +233,9 @@ def write_outputs(result: dict, out: str) -> None:
     for r in result["rows"]:
         if fp is not None and r.get("perplexity") is not None:
             r["delta_pct"] = 100 * (r["perplexity"] / fp["perplexity"] - 1)
-    prefix.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    tmp = prefix.with_suffix(".json.tmp")  # replaced in one step: a concurrent --update run never reads half a file
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(prefix.with_suffix(".json"))
     prefix.with_suffix(".md").write_text(markdown_table(result))
     if any(r.get("perplexity") for r in result["rows"]):
         plot(result, prefix.with_suffix(".png"))
@@ -248,6 +271,7 @@ def merge_previous(result: dict, out: str, stages: set[str]) -> dict:
         if changed:
             raise ValueError(f"{path} used another perplexity protocol ({changed}); use a different --out.")
     old_rows = {r["key"]: r for r in old["rows"]}
+    mine = {(r.get("command"), r.get("started")) for r in result["runs"]}
     new_rows = {r["key"]: r for r in result["rows"]}
     for key, row in new_rows.items():
         merged = dict(old_rows.get(key, {}))
@@ -255,9 +279,38 @@ def merge_previous(result: dict, out: str, stages: set[str]) -> dict:
         old_rows[key] = merged
     result["protocol"] = protocol
     result["rows"] = list(old_rows.values())
-    result["runs"] = old.get("runs", []) + result["runs"]
+    result["runs"] = [r for r in old.get("runs", []) if (r.get("command"), r.get("started")) not in mine] + result["runs"]
     result["plain_forward_check"] = result.get("plain_forward_check") or old.get("plain_forward_check")
     return result
+
+
+def write_partial(path: Path, model_name: str, result: dict, own_rows: list[dict], keep_others: bool) -> None:
+    """The checkpoint of a long perplexity run: this run's rows (each with the position it has scored up to,
+    ``scored_up_to``) and, with ``keep_others``, the other methods' rows already in the file (concurrent runs
+    into the same --out). ``protocol.scored_up_to`` is the least position reached; ``delta_pct`` only where the
+    row and fp reached the same position. Without rows left, the file is removed."""
+    mine = {r["key"] for r in result["rows"]}
+    others = []
+    if keep_others and path.exists():
+        try:
+            old = json.loads(path.read_text())
+            others = [r for r in old["rows"] if r["key"] not in mine]
+        except (json.JSONDecodeError, KeyError):  # a checkpoint being written at this moment: next time
+            others = []
+    rows_out = others + own_rows
+    if not rows_out:
+        path.unlink(missing_ok=True)
+        return
+    fp_row = next((r for r in rows_out if r["key"] == "fp"), None)
+    for r in rows_out:  # a ratio only over the same positions (by position: compare the spans up to the lesser)
+        same = fp_row is not None and fp_row["scored_up_to"] == r["scored_up_to"]
+        r["delta_pct"] = 100 * (r["perplexity"] / fp_row["perplexity"] - 1) if same else None
+    snapshot = {"model": model_name,
+                "protocol": dict(result["protocol"], scored_up_to=min(r["scored_up_to"] for r in rows_out)),
+                "runs": result["runs"], "rows": rows_out}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(snapshot, indent=2))
+    tmp.replace(path)
 
 
 def _canonical_order(result: dict, keys: list[str]) -> None:
@@ -290,7 +343,8 @@ def main(argv=None) -> dict:
     skip = {s for s in args.skip.split(",") if s}
     model, tokenizer = load_model(args)
     config = model.config
-    all_methods = standard_methods(config, calibrated_factory(args), available_backends())
+    calibrated = calibrated_factory(args)
+    all_methods = standard_methods(config, calibrated, available_backends())
     if args.methods:
         keys = args.methods.split(",")
         unknown = [k for k in keys if k not in {m.key for m in all_methods}]
@@ -301,11 +355,14 @@ def main(argv=None) -> dict:
         methods = all_methods
     if "fp" not in {m.key for m in methods}:
         earlier = Path(args.out).with_suffix(".json")
+        # the earlier run's fp row may still be measuring (a concurrent --update run of fp into the same --out):
+        # every save merges the file as it is then, and the ratios are computed once fp's perplexity is there
         has_fp = args.update and earlier.exists() and any(
-            r["key"] == "fp" and r.get("perplexity") is not None for r in json.loads(earlier.read_text())["rows"])
+            r["key"] == "fp" for r in json.loads(earlier.read_text())["rows"])
         if not has_fp:
             raise SystemExit("The full-precision method 'fp' is the baseline of every ratio; include it in --methods "
-                             "(or add rows with --update to an earlier run of the same protocol that has it).")
+                             "(or add rows with --update to an earlier run of the same protocol that has it, or "
+                             "that is running it into the same --out).")
         if "agreement" not in skip:
             raise SystemExit("Greedy agreement compares with 'fp' decoded in the same run: include 'fp' in --methods "
                              "or --skip agreement.")
@@ -332,13 +389,25 @@ def main(argv=None) -> dict:
                  for m in methods],
         "plain_forward_check": None,
     }
+    stages = {"bits", "perplexity", "plain", "agreement", "passkey"} - skip
+    keys_run = {m.key for m in methods}
+    if keys_run & {"oscar", "oscar_token_scaling"} and calibrated is not None:
+        result["runs"][-1]["calibration"] = calibrated.artifact
+    if "oscar_scaled" in keys_run:
+        from hf_kvint2.settings import OscarScaledSettings
+
+        result["runs"][-1]["oscar_scaled_settings"] = OscarScaledSettings().to_dict()  # the defaults it ran with
     if args.update:
-        result = merge_previous(result, args.out, {"bits", "perplexity", "plain", "agreement", "passkey"} - skip)
-    rows = {r["key"]: r for r in result["rows"]}
+        merge_previous(copy.deepcopy(result), args.out, stages)  # a different protocol fails now, not at the end
+    rows = {r["key"]: r for r in result["rows"]}  # what this run measures
 
     def save():
-        _canonical_order(result, [m.key for m in all_methods])
-        write_outputs(result, args.out)
+        """Write this run's rows; with --update merged into <out>.json as it is now (read again at every save, so
+        that concurrent --update runs of different methods into the same --out keep each other's rows)."""
+        merged = merge_previous(copy.deepcopy(result), args.out, stages) if args.update else result
+        _canonical_order(merged, [m.key for m in all_methods])
+        write_outputs(merged, args.out)
+        return merged
 
     if "bits" not in skip:
         probes = tuple(int(x) for x in args.bits_probes.split(","))
@@ -352,15 +421,13 @@ def main(argv=None) -> dict:
         save()
     if "perplexity" not in skip:
         t0 = time.time()
+        partial_path = Path(args.out + ".partial.json")
+
         def checkpoint(position, partial):
-            """A long run that is stopped keeps what it measured: <out>.partial.json, positions < position."""
-            snapshot = {"model": model_name, "protocol": dict(result["protocol"], scored_up_to=position),
-                        "runs": result["runs"], "rows": [dict(rows[k], **r.summary()) for k, r in partial.items()]}
-            fp_row = next((r for r in snapshot["rows"] if r["key"] == "fp"), None)
-            for r in snapshot["rows"]:
-                if fp_row is not None:
-                    r["delta_pct"] = 100 * (r["perplexity"] / fp_row["perplexity"] - 1)
-            Path(args.out + ".partial.json").write_text(json.dumps(snapshot, indent=2))
+            """A long run that is stopped keeps what it measured: <out>.partial.json, positions < position (per row:
+            ``scored_up_to``; with --update the rows of concurrent runs into the same --out are kept)."""
+            own = [dict(rows[k], **r.summary(), scored_up_to=position) for k, r in partial.items()]
+            write_partial(partial_path, model_name, result, own, keep_others=args.update)
 
         ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk, score_every=args.score_every,
                                  checkpoint=checkpoint, checkpoint_every=args.checkpoint_every)
@@ -369,7 +436,7 @@ def main(argv=None) -> dict:
             print(f"{rows[key]['name']}: ppl {r.perplexity:.4f}")
         result["runs"][-1]["perplexity_seconds"] = time.time() - t0
         save()
-        Path(args.out + ".partial.json").unlink(missing_ok=True)
+        write_partial(partial_path, model_name, result, [], keep_others=args.update)  # this run's rows leave it
     if "plain" not in skip and "perplexity" not in skip and "fp" in {m.key for m in methods}:
         plain = plain_perplexity(model, windows, args.prefill)
         chunked = rows["fp"]["perplexity"]
@@ -390,10 +457,14 @@ def main(argv=None) -> dict:
         for key, r in passkey_accuracy(model, tokenizer, methods, lengths, depths).items():
             rows[key]["passkey"] = r
         save()
-    if not math.isfinite(rows["fp"].get("perplexity", 0.0)):
+    if "fp" in rows and "perplexity" not in skip and not math.isfinite(rows["fp"].get("perplexity", 0.0)):
         raise SystemExit("Full-precision perplexity is not finite: the model or the text is broken.")
-    save()
-    return result
+    merged = save()
+    fp_row = next((r for r in merged["rows"] if r["key"] == "fp"), {})
+    if "perplexity" not in skip and fp_row.get("perplexity") is None:
+        print("The fp row has no perplexity yet (a concurrent run measures it): the ratios are written when it "
+              "saves.", file=sys.stderr)
+    return merged
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ Inputs (each from its own quality.py run; the command is in each file's "runs"):
 * SmolLM2 2k: quality.json, 8k: quality_smollm2_8k.json (--long --windows 2)
 * Gemma 3 2k: quality_gemma3.json, 32k: quality_gemma3_32k.json (windows of 32768, prefill 1024, chunks of 64,
   every 8th token scored); while that run is incomplete, its checkpoint quality_gemma3_32k.partial.json (the
-  positions scored so far). Gemma 3 "8k" is the 32k windows scored up to position 8192 (tokens predicted from at
-  most 8k of context, as an 8k window would), from the per-position spans that chunked_perplexity reports.
+  positions scored so far, per method). Gemma 3 "8k" / "16k" are the 32k windows scored up to position 8192 /
+  16384 (tokens predicted from at most that much context, as a window of that length would), from the
+  per-position spans that chunked_perplexity reports; a column needs every method's spans to reach it.
 """
 
 from __future__ import annotations
@@ -25,18 +26,31 @@ SOURCES = {  # (model, file, context label, how many positions: None = the whole
     ("SmolLM2-135M", "8k"): ("quality_smollm2_8k.json", None),
     ("Gemma 3 270M", "2k"): ("quality_gemma3.json", None),
     ("Gemma 3 270M", "8k"): ("quality_gemma3_32k.json", 8192),
+    ("Gemma 3 270M", "16k"): ("quality_gemma3_32k.json", 16384),
     ("Gemma 3 270M", "32k"): ("quality_gemma3_32k.json", None),
 }
 
 
 def _load(name: str) -> dict | None:
-    """A result file, or the checkpoint of its unfinished run (<name>.partial.json: positions scored so far)."""
-    for path in (RESULTS / name, (RESULTS / name).with_suffix(".partial.json")):
-        if path.exists():
-            data = json.loads(path.read_text())
-            if any(r.get("perplexity") is not None for r in data["rows"]):
-                return data
-    return None
+    """A result file, with the rows its unfinished runs have checkpointed (<name>.partial.json: the positions each
+    method has scored so far, ``scored_up_to``) for the methods it has no perplexity of yet; then
+    ``protocol.scored_up_to`` is the least position those rows reached."""
+    done_path, partial_path = RESULTS / name, (RESULTS / name).with_suffix(".partial.json")
+    data = json.loads(done_path.read_text()) if done_path.exists() else None
+    if partial_path.exists():
+        partial = json.loads(partial_path.read_text())
+        if data is None:
+            data = partial
+        else:
+            measured = {r["key"] for r in data["rows"] if r.get("perplexity") is not None}
+            extra = [r for r in partial["rows"] if r["key"] not in measured]
+            if extra:
+                data["rows"] = [r for r in data["rows"] if r["key"] not in {e["key"] for e in extra}] + extra
+                data["protocol"] = dict(data["protocol"], scored_up_to=min(
+                    r.get("scored_up_to", partial["protocol"]["scored_up_to"]) for r in extra))
+    if data is None or not any(r.get("perplexity") is not None for r in data["rows"]):
+        return None
+    return data
 
 
 def _perplexity(row: dict, upto: int | None) -> float | None:
@@ -45,7 +59,7 @@ def _perplexity(row: dict, upto: int | None) -> float | None:
     if upto is None:
         return row["perplexity"]
     spans = [s for s in row.get("by_position") or [] if s["stop"] <= upto]
-    if not spans:
+    if not spans or max(s["stop"] for s in spans) != upto:  # a span cut short: the row has not reached upto
         return None
     nll = sum(math.log(s["perplexity"]) * s["tokens"] for s in spans)
     return math.exp(nll / sum(s["tokens"] for s in spans))
@@ -108,20 +122,27 @@ def plot(path: Path) -> None:
             if data is None:
                 continue
             reached = data["protocol"].get("scored_up_to")
-            label = label if reached is None else f"{label}, scored to {reached}"
+            label = label if reached is None else f"{label}, scored to {reached}"  # the least of its methods
             rows = {r["key"]: r for r in data["rows"]}
             style = ":" if label.startswith("2k") else "-"
             for key, row in rows.items():
                 if key not in METHODS or row.get("perplexity") is None:
                     continue
-                spans = row.get("by_position")
+                window = data["protocol"]["window"]
+                # whole spans only: a checkpoint's last span stops where that method had got to
+                spans = [s for s in row.get("by_position") or [] if s["stop"] == window
+                         or s["stop"] & (s["stop"] - 1) == 0]
                 if spans:
                     xs = [math.sqrt(max(s["start"], 1) * s["stop"]) for s in spans]
                     top.plot(xs, [s["perplexity"] for s in spans], style, marker="o", color=colors[key],
                              label=f"{METHODS[key]} ({label})")
-                    fp_spans = rows["fp"].get("by_position") or []
-                    if key != "fp" and len(fp_spans) == len(spans):
-                        bottom.plot(xs, [100 * (s["perplexity"] / f["perplexity"] - 1) for s, f in zip(spans, fp_spans)],
+                    # against fp over the same spans (runs of one method each may have reached different positions)
+                    fp_spans = {(f["start"], f["stop"]): f for f in rows["fp"].get("by_position") or []}
+                    same = [(x, s, fp_spans[s["start"], s["stop"]]) for x, s in zip(xs, spans)
+                            if (s["start"], s["stop"]) in fp_spans]
+                    if key != "fp" and same:
+                        bottom.plot([x for x, _, _ in same],
+                                    [100 * (s["perplexity"] / f["perplexity"] - 1) for _, s, f in same],
                                     style, marker="o", color=colors[key], label=f"{METHODS[key]} ({label})")
                 else:  # an older run without per-position spans: the whole window at its length
                     w = data["protocol"]["window"]

@@ -31,7 +31,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
 from .layers import OscarLayer
 from .model_config import layer_types, model_shape
+from .quant import to_model_dtype
 from .recipes import GroupLayout, LayerRecipe, oscar_recipe
+from .storage import TokenBuffer
 from .transforms import hadamard_matrix
 
 
@@ -241,6 +243,35 @@ def bits_at_length(method: CacheMethod, config, tokens: int = 131072, probes: tu
 
 
 # ---------------------------------------------------------------------------------------------------- stacking
+class _DequantizedBody:
+    """The INT2 body of one :class:`OscarLayer` dequantized to the original space and the model dtype, kept across
+    chunks and extended by the tokens demoted since the last read.
+
+    The portable view (what a non-``"oscar"`` attention such as SDPA reads) dequantizes and de-rotates the whole body
+    at every forward: O(history x head_dim^2) per chunk, most of the cost of a long chunked evaluation. The stored
+    codes of a token never change once written (the body only grows here: no crop, no beam reordering), and
+    dequantization is per token (per-channel scales cover whole groups of tokens, and the body holds whole groups),
+    so the kept tokens are the ones a full dequantization would give, up to the rounding of the de-rotation's
+    matrix product over fewer rows. If the layer's stream is replaced (the key basis settled at the first demotion)
+    or shrinks, everything is dequantized again."""
+
+    def __init__(self):
+        self.streams = (None, None)
+        self.keys, self.values = TokenBuffer(2), TokenBuffer(2)
+
+    def read(self, layer: OscarLayer, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``tokens`` body tokens of ``layer``, K and V [B, H, tokens, D] in the model dtype."""
+        streams = (layer.key_body, layer.value_body)
+        if streams[0] is not self.streams[0] or streams[1] is not self.streams[1] or self.keys.rows > layer.body_len:
+            self.streams = streams
+            self.keys, self.values = TokenBuffer(2), TokenBuffer(2)
+        done = self.keys.rows
+        if tokens > done:
+            for buf, stream in ((self.keys, streams[0]), (self.values, streams[1])):
+                buf.append(to_model_dtype(stream.read(layer.body_len).dequantize(done, layer.body_len), layer.dtype))
+        return self.keys.view()[:, :, :tokens], self.values.view()[:, :, :tokens]
+
+
 class _StackedLayer(CacheLayerMixin):
     """One layer index of a :class:`StackedCache`: forwards each block of batch rows to its own cache."""
 
@@ -259,14 +290,36 @@ class _StackedLayer(CacheLayerMixin):
             raise ValueError(f"Layer {layer_idx} is a sliding-window layer in some of the stacked caches and not in "
                              "others: build every method's cache with config= so that they agree.")
         self.is_sliding = kinds.pop() if kinds else False
+        self.bodies = [_DequantizedBody() for _ in parts]
 
     def lazy_initialization(self, key_states, value_states):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        outs = [cache.update(key_states[rows], value_states[rows], self.layer_idx, *args, **kwargs)
-                for cache, rows in self.parts]
+        outs = [self._update_part(cache, body, key_states[rows], value_states[rows], args, kwargs)
+                for (cache, rows), body in zip(self.parts, self.bodies)]
+        if len(outs) == 1:
+            return outs[0]
         return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
+
+    def _update_part(self, cache, body, keys, values, args, kwargs):
+        """One cache's ``update``; for this library's layers the same portable view (sink, body dequantized, recent
+        window and chunk; :meth:`hf_kvint2.steps.LayerStep._view`), with the body dequantized only once per token
+        (:class:`_DequantizedBody`) instead of in full at every chunk."""
+        layer = cache.layers[self.layer_idx] if self.layer_idx < len(cache.layers) else None
+        if not isinstance(layer, OscarLayer):
+            return cache.update(keys, values, self.layer_idx, *args, **kwargs)
+        layer.fused_attention = True  # update() returns zero-storage placeholders that carry its step
+        placeholder, _ = cache.update(keys, values, self.layer_idx, *args, **kwargs)
+        step = placeholder.step
+        ks, vs = [step.sink_k], [step.sink_v]
+        if step.body_tokens:
+            bk, bv = body.read(layer, step.body_tokens)
+            ks.append(bk)
+            vs.append(bv)
+        ks.append(step.tail_k)
+        vs.append(step.tail_v)
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
 
     def get_seq_length(self) -> int:
         return self.parts[0][0].get_seq_length(self.layer_idx)

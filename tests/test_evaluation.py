@@ -73,6 +73,48 @@ def test_stacking_and_batching_do_not_change_results(tiny, windows):
     assert together["scaled"].bits_per_element < 16  # 448 tokens, 128 of them in the fp32 residual
 
 
+def test_stacked_body_dequantized_once_equals_the_portable_view(tiny, windows, monkeypatch):
+    """The stacked cache dequantizes each body token once (_DequantizedBody) instead of the whole body at every
+    chunk; what the attention gets is the layer's own portable view (up to the de-rotation's rounding), for
+    per-token and per-channel layouts, token scaling, calibrated means and a key basis settled at the first
+    demotion, and the perplexities are those of the plain portable path."""
+    from hf_kvint2 import evaluation
+    from hf_kvint2.evaluation import StackedCache, hadamard_only_recipe
+
+    d = 32
+    means = [torch.randn(2, d) for _ in range(2)]
+    methods = [FP, _method("scaled", lambda cfg: OscarScaledCache(config=cfg)),
+               _method("hadamard", lambda cfg: OscarCache(config=cfg)),  # uncalibrated: the key basis settles
+               _method("kivi2", lambda cfg: engine_cache(kivi2_recipe(d), cfg)),
+               _method("centred", lambda cfg: engine_cache(hadamard_only_recipe(d).with_overrides(
+                   key_mean=means[0], value_mean=means[1]), cfg))]
+    # the K/V the attention reads, chunk by chunk: stacked (dequantized once) vs each cache's own update()
+    gen = torch.Generator().manual_seed(0)
+    stacked = StackedCache([(m.make_cache(tiny.config), slice(2 * i, 2 * i + 2)) for i, m in enumerate(methods)], 2)
+    alone = [m.make_cache(tiny.config) for m in methods]
+    uneven = torch.ones(d)
+    uneven[:3] = 30.0  # a few wide key channels: the uncalibrated cache switches to the model basis
+    for n in [400, 32, 64, 1, 96, 128]:
+        k, v = (torch.randn(2 * len(methods), 2, n, d, generator=gen) for _ in range(2))
+        k = k * uneven
+        for idx in range(2):
+            got_k, got_v = stacked.update(k, v, idx)
+            for i, cache in enumerate(alone):
+                ref_k, ref_v = cache.update(k[2 * i:2 * i + 2], v[2 * i:2 * i + 2], idx)
+                torch.testing.assert_close(got_k[2 * i:2 * i + 2], ref_k, rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(got_v[2 * i:2 * i + 2], ref_v, rtol=1e-6, atol=1e-6)
+    assert all(layer.body_len > 0 for c, _ in stacked.parts[1:] for layer in c.layers)
+    assert stacked.parts[2][0].layers[0].recipe.key.axis == "channel"  # the key basis settled (a new stream)
+    fast = chunked_perplexity(tiny, windows, methods, 128, 32, progress=False)
+    monkeypatch.setattr(evaluation._StackedLayer, "_update_part",
+                        lambda self, cache, body, k, v, args, kwargs: cache.update(k, v, self.layer_idx, *args,
+                                                                                   **kwargs))
+    plain = chunked_perplexity(tiny, windows, methods, 128, 32, progress=False)
+    for m in methods:
+        assert fast[m.key].nll_sum == pytest.approx(plain[m.key].nll_sum, rel=1e-7)
+        assert fast[m.key].bits_per_element == plain[m.key].bits_per_element
+
+
 def test_shared_prefill_replay_equals_a_real_prefill(tiny, windows):
     """The harness replays one full-precision prefill into each cache; a prefill forward through the cache itself
     must give the same cache contents and the same next-chunk logits."""
