@@ -414,33 +414,30 @@ def quantizer_supports(layout, x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-@functools.cache
-def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
-    groups = d // group
-
+if _NUMBA:
     @numba.njit(cache=True, nogil=True)
-    def f32_bits(buf, ubuf, x):  # pragma: no cover
+    def _f32_bits(buf, ubuf, x):  # pragma: no cover
         buf[0] = x
         return ubuf[0]
 
     @numba.njit(cache=True, nogil=True)
-    def signed16(h):  # pragma: no cover
+    def _signed16(h):  # pragma: no cover
         bits = np.int32(h)
         return np.int32(bits - 65536 if bits >= 32768 else bits)
 
     @numba.njit(cache=True, nogil=True)
-    def round_scale(buf, ubuf, x):  # pragma: no cover
+    def _round_scale(buf, ubuf, x, scale_kind):  # pragma: no cover
         # x rounded to the scale dtype (round to nearest, ties to even, as torch's .to()): (stored bits, value)
         if scale_kind == 2:
             return np.int32(0), x
-        u = np.uint32(f32_bits(buf, ubuf, x))
+        u = np.uint32(_f32_bits(buf, ubuf, x))
         if scale_kind == 1:  # bfloat16
             if np.isnan(x):
                 h = np.uint32(0x7FC0)
             else:
                 h = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
             ubuf[0] = h << np.uint32(16)
-            return signed16(h), buf[0]
+            return _signed16(h), buf[0]
         sign = (u >> np.uint32(16)) & np.uint32(0x8000)
         a = u & np.uint32(0x7FFFFFFF)
         if a > np.uint32(0x7F800000):  # NaN
@@ -476,7 +473,12 @@ def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
             val = buf[0]
         if hs == np.uint32(1):
             val = -val
-        return signed16(h), val
+        return _signed16(h), val
+
+
+@functools.cache
+def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
+    groups = d // group
 
     @numba.njit(cache=True, nogil=True)
     def quantize(x, i0, i1, w0, w1, codes, scale_out, lo_out):  # pragma: no cover
@@ -517,8 +519,8 @@ def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
                 scale = (hi - lo) / three
                 biggest_lo = max(biggest_lo, abs(lo))
                 biggest_scale = max(biggest_scale, scale)
-                lo_bits, lo_s = round_scale(buf, ubuf, lo)
-                sc_bits, sf = round_scale(buf, ubuf, scale)
+                lo_bits, lo_s = _round_scale(buf, ubuf, lo, scale_kind)
+                sc_bits, sf = _round_scale(buf, ubuf, scale, scale_kind)
                 if scale_kind == 2:
                     scale_out[t, gi] = scale
                     lo_out[t, gi] = lo
