@@ -26,9 +26,11 @@ from .quant import QuantizedGroups, scale_range_error
 from .read_path import mask_to_additive
 
 # Split-K (cpu_kernels.split_tokens): parallel tasks the body is split into when batch x KV heads is fewer, the
-# fewest tokens of a split, and the query rows per KV head above which the body is not split.
+# fewest tokens of a split, and the query rows per KV head above which the body is not split. A split has a fixed
+# cost (its value buckets zeroed and expanded: ~16 us per (row, KV head) at head_dim 64, measured), so a body under
+# 2 x SPLIT_MIN_TOKENS is not split: at batch 1 / 2k on one thread, 3 splits per KV head cost ~95 us per layer.
 SPLIT_TASKS = 8
-SPLIT_MIN_TOKENS = 512
+SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
 
 _NUMBA = importlib.util.find_spec("numba") is not None
