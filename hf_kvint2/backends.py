@@ -77,7 +77,7 @@ def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
             streams = []
             for layout in (recipe.key, recipe.value):
                 group = layout.group_for(d)
-                codec = StreamCodec(GroupLayout(layout.axis, group, None, layout.token_scaling), group,
+                codec = StreamCodec(GroupLayout(layout.axis, group, layout.clip, layout.token_scaling), group,
                                     block_hadamard_matrix(d), None, recipe.scale_dtype)
                 stream = QuantizedStream(codec)
                 stream.append(torch.randn(1, 1, max(group, 4), d))

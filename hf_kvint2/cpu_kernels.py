@@ -22,12 +22,15 @@ import warnings
 import numpy as np
 import torch
 
+from .quant import QuantizedGroups, scale_range_error
 from .read_path import mask_to_additive
 
 # Split-K (cpu_kernels.split_tokens): parallel tasks the body is split into when batch x KV heads is fewer, the
-# fewest tokens of a split, and the query rows per KV head above which the body is not split.
+# fewest tokens of a split, and the query rows per KV head above which the body is not split. A split has a fixed
+# cost (its value buckets zeroed and expanded: ~16 us per (row, KV head) at head_dim 64, measured), so a body under
+# 2 x SPLIT_MIN_TOKENS is not split: at batch 1 / 2k on one thread, 3 splits per KV head cost ~95 us per layer.
 SPLIT_TASKS = 8
-SPLIT_MIN_TOKENS = 512
+SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
 
 _NUMBA = importlib.util.find_spec("numba") is not None
@@ -396,3 +399,178 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
         out_t, lse_t = out_t[:, :, :rows], lse_t[:, :, :rows]
     return out_t.reshape(b, hq, lq, d), lse_t.reshape(b, hq, lq)
 
+
+# ---------------------------------------------------------------------------------------------------- write path
+# The write path's clip + INT2 quantization of per-token groups (hf_kvint2.transforms.clip_rows followed by
+# hf_kvint2.quant.quantize_int2) as one compiled call: a decode step demotes one token per layer and stream, where
+# the ~25 small PyTorch ops of the reference cost ~0.25 ms per call. Same IEEE float32 operations in the same order
+# (no fast-math), so codes, scales and offsets are bit-identical to the PyTorch path (tests/test_quant.py).
+_SCALE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_SCALE_BITS = {0: torch.int16, 1: torch.int16, 2: torch.float32}
+
+
+def quantizer_supports(layout, x: torch.Tensor) -> bool:
+    """Whether :func:`quantize_token_groups` serves this layout and input (per-token groups without omni-token
+    scaling, CPU, eager)."""
+    return (_NUMBA and layout.axis == "token" and not layout.token_scaling and x.device.type == "cpu"
+            and not torch.compiler.is_compiling())
+
+
+if _NUMBA:
+    @numba.njit(cache=True, nogil=True)
+    def _f32_bits(buf, ubuf, x):  # pragma: no cover
+        buf[0] = x
+        return ubuf[0]
+
+    @numba.njit(cache=True, nogil=True)
+    def _signed16(h):  # pragma: no cover
+        bits = np.int32(h)
+        return np.int32(bits - 65536 if bits >= 32768 else bits)
+
+    @numba.njit(cache=True, nogil=True)
+    def _round_scale(buf, ubuf, x, scale_kind):  # pragma: no cover
+        # x rounded to the scale dtype (round to nearest, ties to even, as torch's .to()): (stored bits, value)
+        if scale_kind == 2:
+            return np.int32(0), x
+        u = np.uint32(_f32_bits(buf, ubuf, x))
+        if scale_kind == 1:  # bfloat16
+            if np.isnan(x):
+                h = np.uint32(0x7FC0)
+            else:
+                h = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            ubuf[0] = h << np.uint32(16)
+            return _signed16(h), buf[0]
+        sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+        a = u & np.uint32(0x7FFFFFFF)
+        if a > np.uint32(0x7F800000):  # NaN
+            h = np.uint32(0x7E00)
+        elif a >= np.uint32(0x477FF000):  # rounds past 65504: inf
+            h = np.uint32(0x7C00)
+        elif a >= np.uint32(0x38800000):  # normal half
+            h = (a - np.uint32(0x38000000) + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+        else:  # subnormal half (or zero): m * 2^-24
+            e = np.int64(a >> np.uint32(23))
+            shift = 126 - e
+            if shift > 24:
+                h = np.uint32(0)
+            else:
+                mant = np.uint32((a & np.uint32(0x7FFFFF)) | np.uint32(0x800000))
+                q = mant >> np.uint32(shift)
+                rem = mant & ((np.uint32(1) << np.uint32(shift)) - np.uint32(1))
+                half = np.uint32(1) << np.uint32(shift - 1)
+                if rem > half or (rem == half and (q & np.uint32(1)) == np.uint32(1)):
+                    q += np.uint32(1)
+                h = q
+        h = h | sign
+        # back to float32
+        hs = (h >> np.uint32(15)) & np.uint32(1)
+        he = (h >> np.uint32(10)) & np.uint32(0x1F)
+        hm = h & np.uint32(0x3FF)
+        if he == np.uint32(0):
+            val = np.float32(hm) * np.float32(5.960464477539063e-08)  # exact: m * 2^-24
+        elif he == np.uint32(0x1F):
+            val = np.float32(np.inf) if hm == np.uint32(0) else np.float32(np.nan)
+        else:
+            ubuf[0] = ((he + np.uint32(112)) << np.uint32(23)) | (hm << np.uint32(13))
+            val = buf[0]
+        if hs == np.uint32(1):
+            val = -val
+        return _signed16(h), val
+
+
+@functools.cache
+def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
+    groups = d // group
+
+    @numba.njit(cache=True, nogil=True)
+    def quantize(x, i0, i1, w0, w1, codes, scale_out, lo_out):  # pragma: no cover
+        # x: [N, D] float32 rows (clipped in place); codes [N, D/4] uint8; scale_out / lo_out [N, D/G] (int16 bits
+        # of a 16-bit scale dtype, or float32). Returns the largest |lo| or 3 * scale (the range check).
+        n = x.shape[0]
+        buf = np.empty(1, np.float32)
+        ubuf = buf.view(np.uint32)
+        a = np.empty(d, np.float32)
+        three = np.float32(3.0)
+        biggest_lo = np.float32(0.0)
+        biggest_scale = np.float32(0.0)
+        finite = True
+        for t in range(n):
+            xt = x[t]
+            if clip:
+                amax = np.float32(0.0)
+                for c in range(d):
+                    a[c] = abs(xt[c])
+                    amax = max(amax, a[c])
+                a.sort()
+                tau = a[i0] * w0 + a[i1] * w1
+                floor_ = np.float32(0.5) * amax
+                tau = max(tau, floor_)
+                for c in range(d):
+                    v = xt[c]
+                    v = max(v, -tau)
+                    v = min(v, tau)
+                    xt[c] = v
+            for gi in range(groups):
+                lo = xt[gi * group]
+                hi = lo
+                for c in range(gi * group, (gi + 1) * group):
+                    if not np.isfinite(xt[c]):
+                        finite = False
+                    lo = min(lo, xt[c])
+                    hi = max(hi, xt[c])
+                scale = (hi - lo) / three
+                biggest_lo = max(biggest_lo, abs(lo))
+                biggest_scale = max(biggest_scale, scale)
+                lo_bits, lo_s = _round_scale(buf, ubuf, lo, scale_kind)
+                sc_bits, sf = _round_scale(buf, ubuf, scale, scale_kind)
+                if scale_kind == 2:
+                    scale_out[t, gi] = scale
+                    lo_out[t, gi] = lo
+                else:
+                    scale_out[t, gi] = sc_bits
+                    lo_out[t, gi] = lo_bits
+                for j in range(gi * group // 4, (gi + 1) * group // 4):
+                    byte = 0
+                    for i in range(4):
+                        code = np.float32(0.0)
+                        if sf > 0:
+                            y = (xt[4 * j + i] - lo_s) / sf
+                            r = np.floor(y)
+                            frac = y - r
+                            if frac > 0.5 or (frac == 0.5 and r % 2 != 0):
+                                r += 1
+                            code = min(max(r, np.float32(0.0)), three)
+                        byte |= np.int64(code) << (2 * i)
+                    codes[t, j] = byte
+        if not finite:  # NaN/Inf in a group (with check_finite off): the caller refuses it, as quantize_int2 does
+            return np.float32(np.inf)
+        return max(biggest_lo, biggest_scale * three)
+
+    return quantize
+
+
+def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int, scale_dtype: torch.dtype):
+    """:func:`~hf_kvint2.transforms.clip_rows` then :func:`~hf_kvint2.quant.quantize_int2` (``"token"`` groups)
+    of rotated float32 ``xr`` [B, H, n, D] in one compiled call: a :class:`~hf_kvint2.quant.QuantizedGroups`
+    bit-identical to theirs (same errors for values too large for the scale dtype). ``xr`` may be overwritten."""
+    b, h, n, d = xr.shape
+    if d % group or d % 4:
+        raise ValueError(f"head_dim ({d}) must be a multiple of the group size ({group}) and of 4.")
+    kind = _SCALE_KINDS[scale_dtype]
+    clip = clip_ratio is not None and clip_ratio < 1.0
+    pos = (clip_ratio * (d - 1)) if clip else 0.0
+    i0 = math.floor(pos)
+    i1 = min(i0 + 1, d - 1)
+    frac = pos - i0
+    x = xr.reshape(b * h * n, d).to(torch.float32).contiguous()  # clipped in place: callers pass a temporary
+    codes = torch.empty(b * h * n, d // 4, dtype=torch.uint8)
+    scale = torch.empty(b * h * n, d // group, dtype=_SCALE_BITS[kind])
+    lo = torch.empty_like(scale)
+    biggest = _make_quantizer(d, group, kind, clip)(x.numpy(), i0, i1, np.float32(1 - frac), np.float32(frac),
+                                                    codes.numpy(), scale.numpy(), lo.numpy())
+    if x.numel() and not biggest <= torch.finfo(scale_dtype).max:
+        raise scale_range_error(float(biggest), scale_dtype)
+    if kind != 2:
+        scale, lo = scale.view(scale_dtype), lo.view(scale_dtype)
+    shape = (b, h, n, d // group)
+    return QuantizedGroups(codes.reshape(b, h, n, d // 4), scale.reshape(shape), lo.reshape(shape))

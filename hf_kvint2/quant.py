@@ -113,6 +113,14 @@ def _check_group_shape(shape: torch.Size, axis: str, group_size: int) -> None:
         raise ValueError(f"head_dim ({shape[-1]}) must be a multiple of 4 to pack four INT2 codes per byte.")
 
 
+def scale_range_error(biggest: float, scale_dtype: torch.dtype) -> ValueError:
+    """The error for group ranges or offsets (up to ``biggest``) that do not fit ``scale_dtype``."""
+    fix = ("pass scale_dtype=torch.bfloat16 or torch.float32 to the cache" if scale_dtype is torch.float16
+           else "the values are too large for any scale dtype; check the model's activations")
+    short = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[scale_dtype]
+    return ValueError(f"Values up to {biggest:.4g} do not fit {short} scales; {fix}.")
+
+
 def quantize_int2(
     x: torch.Tensor, axis: str, group_size: int, scale_dtype: torch.dtype = torch.float16
 ) -> QuantizedGroups:
@@ -135,10 +143,7 @@ def quantize_int2(
         # rely on the eager prefill and the model's range.)
         biggest = torch.maximum(lo.abs().amax(), scale.amax() * 3)
         if not biggest <= torch.finfo(scale_dtype).max:
-            fix = ("pass scale_dtype=torch.bfloat16 or torch.float32 to the cache" if scale_dtype is torch.float16
-                   else "the values are too large for any scale dtype; check the model's activations")
-            short = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[scale_dtype]
-            raise ValueError(f"Values up to {biggest.item():.4g} do not fit {short} scales; {fix}.")
+            raise scale_range_error(biggest.item(), scale_dtype)
     lo_s = lo.to(scale_dtype)
     scale_s = scale.to(scale_dtype)
     sf = as_stored(scale_s)

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import cpu_kernels, kernels
 from .distributed import TensorParallelShard
 from .quant import QuantizedGroups, dequantize_int2, quantize_int2
 from .recipes import GroupLayout
 from .storage import TokenBuffer
-from .transforms import check_norms, transform_tokens
+from .transforms import check_norms, rotate_tokens, transform_tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,7 +43,12 @@ class StreamCodec:
                                 all_reduce_sum=reduce)
 
     def quantize(self, x: torch.Tensor) -> tuple[QuantizedGroups, torch.Tensor | None]:
-        """What the stream stores for original-space x [B, H, n, D]: INT2 groups and norms (or None)."""
+        """What the stream stores for original-space x [B, H, n, D]: INT2 groups and norms (or None). On CPU,
+        per-token groups without token scaling are clipped and quantized by one compiled call
+        (:func:`~hf_kvint2.cpu_kernels.quantize_token_groups`, bit-identical to the PyTorch ops)."""
+        if cpu_kernels.quantizer_supports(self.layout, x):
+            xr = rotate_tokens(x, self.rotation, self.mean)
+            return cpu_kernels.quantize_token_groups(xr, self.layout.clip, self.group, self.scale_dtype), None
         xt, norm = self.transform(x)
         return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype), norm
 

@@ -122,6 +122,14 @@ def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 
+def rotate_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+    """The first part of :func:`transform_tokens`: float32 ``(x - mean) @ rotation`` for x [B, H, n, D]."""
+    xf = x.float()
+    if mean is not None:
+        xf = xf - mean[None, :, None, :]
+    return xf @ rotation
+
+
 def transform_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, *, clip: float | None,
                      token_scaling: bool, scale_dtype: torch.dtype,
                      all_reduce_sum=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -134,10 +142,7 @@ def transform_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor
     the scale dtype are refused (:func:`check_norms`). The sum of squares is float64 so that a
     tensor-parallel ``all_reduce_sum`` of per-rank partial sums rounds to the same stored norm as one process.
     """
-    xf = x.float()
-    if mean is not None:
-        xf = xf - mean[None, :, None, :]
-    xr = xf @ rotation
+    xr = rotate_tokens(x, rotation, mean)
     norm = None
     if token_scaling:
         squared = xr.double().square().sum(dim=(1, 3))

@@ -252,7 +252,8 @@ def test_numba_split_k_matches_unsplit(layout):
     masked split and a row that attends nothing; the default split of a batch-1 decode is used."""
     torch.manual_seed(2)
     layer = OscarLayer(LAYOUTS[layout], 0)
-    layer.update(torch.randn(1, 2, 1200, 16), torch.randn(1, 2, 1200, 16))
+    tokens = 2 * cpu_kernels.SPLIT_MIN_TOKENS + 300
+    layer.update(torch.randn(1, 2, tokens, 16), torch.randn(1, 2, tokens, 16))
     n_tokens = layer.body_len - 5
     kb, vb = layer.key_body.read(n_tokens), layer.value_body.read(n_tokens)
     q = torch.randn(1, 6, 1, 16) @ layer.key_body.codec.rotation

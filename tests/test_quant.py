@@ -7,10 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2 import OscarCache, OscarScaledCache, cpu_kernels
 from hf_kvint2.layers import OscarLayer
 from hf_kvint2.quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
 from hf_kvint2.recipes import oscar_recipe
+from hf_kvint2.transforms import clip_rows
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -224,3 +225,46 @@ def test_memory_held_after_prefill_and_decode_stays_near_the_data(make):
         assert t.untyped_storage().nbytes() <= 2 * t.numel() * t.element_size()
     body = report["codes"] + report["scales"] + report["norms"]
     assert report["allocated"] - report["full_precision"] <= 1.125 * body + 6 * 256 * 2 * 2 * 16
+
+
+def _random_float_bits(n: int, gen: torch.Generator, ties: bool) -> torch.Tensor:
+    """n float32 values over fp16's subnormals .. 2e4 (random bit patterns), or midpoints of adjacent fp16 values
+    (where rounding to the scale dtype is a tie), random signs."""
+    if ties:
+        h = torch.randint(0, 0x7BFF, (n,), generator=gen).to(torch.int16)
+        lo, hi = h.view(torch.float16).float(), (h + 1).view(torch.float16).float()
+        x = (lo + hi) / 2
+    else:
+        e = torch.randint(127 - 30, 127 + 15, (n,), generator=gen)
+        m = torch.randint(0, 1 << 23, (n,), generator=gen)
+        x = ((e << 23) | m).to(torch.int32).view(torch.float32)
+    return (x * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)).clamp(-2e4, 2e4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_compiled_token_quantizer_is_bit_identical_to_the_torch_ops(scale_dtype):
+    """cpu_kernels.quantize_token_groups (the write path's one-call clip + quantize on CPU) stores exactly what
+    clip_rows + quantize_int2 store: codes, scale bits and offset bits, over many random tokens of every
+    magnitude (fp16 subnormal scales, rounding ties of the scale dtype), with and without clipping, constant
+    groups included."""
+    gen = torch.Generator().manual_seed(7)
+    for d, group in ((64, 64), (64, 32), (128, 128), (16, 16)):
+        for ties in (False, True):
+            x = _random_float_bits(2 * 3 * 200 * d, gen, ties).reshape(2, 3, 200, d)
+            x[0, 0, :3] = 1.25  # constant groups: scale 0, code 0
+            x[1, 2, 5] = 0.0
+            for clip in (None, 0.96, 0.5, 1.0):
+                ref = quantize_int2(clip_rows(x.clone(), clip), "token", group, scale_dtype)
+                got = cpu_kernels.quantize_token_groups(x.clone(), clip, group, scale_dtype)
+                for name, a, b in zip(("codes", "scale", "lo"), ref, got):
+                    assert a.dtype == b.dtype and a.shape == b.shape, name
+                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, d, group, clip, ties)
+    big = torch.full((1, 1, 1, 16), 3e38)
+    big[..., ::2] = -3e38  # a range past float32's largest value: no scale dtype holds it
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.quantize_token_groups(big, None, 16, scale_dtype)
+    nan = torch.randn(1, 1, 2, 16)
+    nan[0, 0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.quantize_token_groups(nan, 0.9, 16, scale_dtype)
