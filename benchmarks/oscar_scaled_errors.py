@@ -32,15 +32,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gemma3", choices=("gemma3", "smollm2"))
-    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--model", default="gemma3", choices=("gemma3", "smollm2"), help="bundled model")
+    p.add_argument("--windows", type=int, default=4, help="evaluation windows of Emma (as quality.py)")
     p.add_argument("--long", action="store_true", help="windows 8192, prefill 1024, chunks 64")
     p.add_argument("--every", type=int, default=1, help="score every k-th chunk")
     p.add_argument("--variants", default=None, help="comma-separated subset of the variants")
     p.add_argument("--layers", default=None, help="comma-separated subset of the full-attention layers")
     p.add_argument("--capture", default=None, help="file for the captured Q/K/V (default /tmp/<name>.pt)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/oscar_scaled_errors_<model>[_long].json)")
     return p
 
 
