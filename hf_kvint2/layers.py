@@ -113,7 +113,7 @@ class OscarLayer(CacheLayerMixin):
         self.body_len = 0
         self.seq_len = 0
         self.key_basis_open = False  # uncalibrated keys: the first demotion settles their basis (hf_kvint2.key_basis)
-        self.key_range_spread: float | None = None  # what settled it (key_basis.range_spread), for reports
+        self.key_range_spread: float | None = None  # what settled it (key_basis: range spread or channel-error ratio)
         self.left_padding = 0  # tokens the sink holds on top of recipe.sink_tokens (hf_kvint2.padding)
 
     @property

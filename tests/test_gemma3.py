@@ -127,7 +127,7 @@ def test_only_the_dynamic_layer_settles_the_key_basis(name):
     """Keys with a few wide channels: the dynamic layer keeps the model's basis with per-channel groups; the static
     (export) layer, fed the same tokens, keeps the Hadamard and the given layout (its traced steps quantize
     incomplete candidate blocks)."""
-    from hf_kvint2.key_basis import RANGE_SPREAD_LIMIT
+    from hf_kvint2.key_basis import CHANNEL_ERROR_LIMIT, RANGE_SPREAD_LIMIT
     from hf_kvint2.static_layer import StaticOscarLayer
     from hf_kvint2.transforms import block_hadamard_matrix
 
@@ -138,10 +138,52 @@ def test_only_the_dynamic_layer_settles_the_key_basis(name):
     recipe = (OscarScaledCache() if name == "OscarScaledCache()" else OscarCache())._recipe_for_layer(0)
     dynamic = OscarLayer(recipe, 0)
     dynamic.update(k, v)
-    assert dynamic.body_len > 0 and dynamic.key_range_spread > RANGE_SPREAD_LIMIT
+    assert dynamic.body_len > 0
+    if name == "OscarScaledCache()":  # channel groups: the relative per-channel error decides
+        assert dynamic.key_range_spread < CHANNEL_ERROR_LIMIT
+    else:
+        assert dynamic.key_range_spread > RANGE_SPREAD_LIMIT
     assert torch.equal(dynamic.key_body.codec.rotation, torch.eye(64))
     assert dynamic.key_body.codec.layout.axis == "channel"
     static = StaticOscarLayer(recipe, 1024, 0)
     static.update(k, v)
     assert torch.equal(static.key_codec.rotation, block_hadamard_matrix(64, recipe.hadamard_block))
     assert static.key_codec.layout == recipe.key
+
+
+def _rope_keys(n: int = 256, d: int = 64, noise: float = 0.05, theta: float = 1e6, seed: int = 0) -> torch.Tensor:
+    """One content vector plus noise, rotated by RoPE over n positions [1, 1, n, d] (rotate_half layout): most
+    channel pairs turn slowly, so each channel is smooth over a 32-token group."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, 1, d, generator=g) * (1 + 3 * torch.rand(d, generator=g))
+    x = x + noise * torch.randn(1, 1, n, d, generator=g)
+    angles = torch.arange(n).float()[:, None] * theta ** (-torch.arange(0, d, 2).float() / d)[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+
+@pytest.mark.parametrize("keys, model_basis", [
+    ("iid", False),  # no channel structure: the rotation costs nothing and is kept (ratio ~1)
+    ("rope_smooth", True),  # smooth channels: the Hadamard mixes the noise of all into each (ratio ~0.01)
+    ("rope_noisy", False),  # noise dominates every channel: both bases alike (ratio ~0.6)
+])
+def test_channel_grouped_keys_settle_by_relative_channel_error(keys, model_basis):
+    """OScaR's uncalibrated keys keep the model's basis exactly when it keeps every channel's own variation far
+    better than the Hadamard (key_basis.relative_channel_error under CHANNEL_ERROR_LIMIT), a decision the range
+    spread could not make on Gemma 3's layer 17 (issue 15); the reported ratio is the one recomputed here."""
+    from hf_kvint2.key_basis import CHANNEL_ERROR_LIMIT, relative_channel_error
+
+    k = {"iid": lambda: torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(0)),
+         "rope_smooth": lambda: _rope_keys(noise=0.05),
+         "rope_noisy": lambda: _rope_keys(noise=1.0)}[keys]()
+    layer = OscarLayer(OscarScaledCache()._recipe_for_layer(0), 0)
+    layer.update(k, torch.randn_like(k))
+    codec = layer.key_body.codec
+    assert layer.body_len > 0 and codec.layout.axis == "channel"
+    assert torch.equal(codec.rotation, torch.eye(64)) == model_basis
+    assert (layer.key_range_spread < CHANNEL_ERROR_LIMIT) == model_basis
+    fresh = OscarLayer(OscarScaledCache()._recipe_for_layer(0), 0)
+    fresh.lazy_initialization(k, k)
+    demoted = (k.shape[-2] - fresh.recipe.recent_tokens) // 32 * 32
+    assert relative_channel_error(fresh.key_body.codec, k[:, :, :demoted]) == pytest.approx(layer.key_range_spread)
+    assert relative_channel_error(fresh.key_body.codec, k[:, :, :31]) is None  # less than one group: no decision
