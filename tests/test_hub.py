@@ -376,11 +376,15 @@ def _copy_artifact(src, dst, edit_config=None, edit_tensors=None):
     (lambda c: c["settings"].update(scale_dtype="int8"), None, "scale_dtype 'int8'"),
     (lambda c: c["settings"].update(new_knob=1), None, r"unknown settings \['new_knob'\]"),
     (lambda c: c["layers"][0]["key_layout"].update(axis="diagonal"), None, "invalid layout"),
+    (lambda c: c["layers"][0]["key_layout"].update(group_size=1 << 20), None,
+     r"layout's group_size must be an integer in \[1, 65536\].* got 1048576"),
+    (lambda c: c["layers"][1]["value_layout"].update(group_size=True), None, "layout's group_size .* got True"),
     (lambda c: c["settings"].update(k_clip=[0.9]), None, "k_clip lists 1 clip ratios but num_layers is 2"),
     (lambda c: c["settings"].update(v_clip=1.5), None, r"v_clip ratios must be numbers in \(0, 1\]"),
 ], ids=["wrong-rotation-shape", "wrong-mean-shape", "non-orthogonal", "nan", "missing-tensor", "unexpected-tensor",
         "missing-layer", "newer-version", "bad-version", "other-format", "not-an-artifact", "bad-shape-value",
-        "bad-scale-dtype", "unknown-setting", "bad-layout", "clip-count", "clip-range"])
+        "bad-scale-dtype", "unknown-setting", "bad-layout", "layout-group-too-large", "layout-group-bool",
+        "clip-count", "clip-range"])
 def test_broken_artifacts_get_clear_errors(saved, tmp_path, edit_config, edit_tensors, message):
     folder, _ = saved
     broken = _copy_artifact(folder, tmp_path / "broken", edit_config, edit_tensors)
