@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--bits-budget", default=None, metavar="BITS",
                    help="mean bits/element of the quantized body over the calibrated K/V streams (2-bit codes + "
                         "fp16 scale and zero point per group) within which each stream's group size is chosen by "
-                        "held-back error (default 2.35; 'none': --group-size everywhere)")
+                        "held-back error (default 'auto': 2.35, or what --group-size everywhere costs where that "
+                        "is more, e.g. 2.5 at head_dim 64; 'none': --group-size everywhere)")
     p.add_argument("--group-sizes", default=None, metavar="SIZES",
                    help="comma-separated candidate group sizes of the allocation (default 32,64,128,256; per-token "
                         "groups are capped at head_dim)")
@@ -104,11 +105,11 @@ def main(argv=None) -> int:
 
 
 def _allocation(args) -> dict:
-    from hf_kvint2.calibration import DEFAULT_BITS_BUDGET, DEFAULT_GROUP_SIZES
+    from hf_kvint2.calibration import DEFAULT_GROUP_SIZES
 
     budget = args.bits_budget
-    if budget is None:
-        budget = DEFAULT_BITS_BUDGET
+    if budget is None or budget.strip().lower() == "auto":
+        budget = "auto"
     elif budget.strip().lower() == "none":
         budget = None
     else:

@@ -278,7 +278,8 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
         ``layouts``, ``centering``, ``clip_grid``, ``fit_windows``, ``fit_queries``, ``sink_tokens``,
         ``recent_tokens``, ``group_size``, ``group_sizes`` and ``bits_budget`` (each layer's K and V get the
         group size among ``group_sizes`` that minimises the held-back error with the mean bits/element of the
-        quantized body within ``bits_budget``, default 2.35; ``bits_budget=None``: ``group_size`` everywhere),
+        quantized body within ``bits_budget``; default ``"auto"``: 2.35, or what ``group_size`` everywhere costs
+        where that is more, e.g. 2.5 at head_dim 64; ``bits_budget=None``: ``group_size`` everywhere),
         ``scale_dtype``, ``data_description``, ``model_id``,
         ``model_revision``, ``value_pass`` (``"spill"`` keeps one window of keys/values on disk between the two
         passes, ``"recompute"`` runs the model twice), ``spill_dir``, ``progress``. The cache carries

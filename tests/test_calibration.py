@@ -514,3 +514,15 @@ def test_cli_refits_from_saved_statistics(tokenizer, tmp_path, capsys):
         cli.main(bad_text)
     with pytest.raises(SystemExit, match="--bits-budget 'lots'"):
         cli.main([*common[:-1], "lots", "--output", str(tmp_path / "d")])
+
+
+def test_default_budget_never_goes_below_one_group_size_everywhere(llama_cache):
+    """The default budget ("auto") is 2.35 bits/element, or what group_size everywhere costs where that is more:
+    at head_dim 16 per-token groups hold at most 16 channels (4 bits/element), so the default keeps 4 bits and
+    spends them where the held-back error says."""
+    from hf_kvint2.calibration import DEFAULT_BITS_BUDGET, body_bits
+
+    alloc = llama_cache.calibration.info["group_allocation"]
+    assert alloc["budget_rule"] == "auto" and DEFAULT_BITS_BUDGET == 2.35
+    assert alloc["bits_budget"] == alloc["uniform_body_bits"] == 4.0
+    assert body_bits(llama_cache.calibration_report["choices"], 16) <= 4.0

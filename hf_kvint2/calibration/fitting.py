@@ -22,7 +22,8 @@ DEFAULT_K_CLIP, DEFAULT_V_CLIP = 0.96, 0.92
 # quantized body in bits/element, averaged over the calibrated K/V streams: 2-bit codes plus a scale and a zero
 # point per group (2 x 16 bits with fp16 scales: 32 / group bits). 2.35 is what the uniform group of 128 costs
 # (2.25) plus 0.1 bit to spend where it pays; with the default 64 + 256 full-precision tokens a 16-bit model's
-# cache holds about 2.39 bits/element at 128k tokens.
+# cache holds about 2.39 bits/element at 128k tokens. The calibration's default budget ("auto") is this, or the
+# uniform layout's bits where those are more (head_dim 64: 2.5).
 DEFAULT_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_BITS_BUDGET = 2.35
 

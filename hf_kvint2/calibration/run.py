@@ -95,9 +95,11 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
 def _check_allocation(group_sizes, bits_budget) -> tuple[int, ...] | None:
     if bits_budget is None:
         return None
-    if isinstance(bits_budget, bool) or not isinstance(bits_budget, (int, float)) or not 2.0 < bits_budget <= 16.0:
-        raise ValueError(f"bits_budget must be a number of bits/element in (2, 16] (2-bit codes plus the scales; "
-                         f"default {DEFAULT_BITS_BUDGET}) or None (one group size everywhere), got {bits_budget!r}.")
+    if bits_budget != "auto" and (isinstance(bits_budget, bool) or not isinstance(bits_budget, (int, float))
+                                  or not 2.0 < bits_budget <= 16.0):
+        raise ValueError(f"bits_budget must be a number of bits/element in (2, 16] (2-bit codes plus the scales), "
+                         f"'auto' (the default: {DEFAULT_BITS_BUDGET}, or what group_size everywhere costs where "
+                         f"that is more) or None (group_size everywhere), got {bits_budget!r}.")
     sizes = tuple(group_sizes or ())
     if not sizes or any(not isinstance(g, int) or isinstance(g, bool) or g <= 0 for g in sizes):
         raise ValueError(f"group_sizes must be a non-empty sequence of positive ints (default "
@@ -109,23 +111,31 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
                         centering: Sequence[bool] = (False, True), clip_grid: Sequence[float] = DEFAULT_CLIP_GRID,
                         sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
                         group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
-                        bits_budget: float | None = DEFAULT_BITS_BUDGET, scale_dtype: torch.dtype = torch.float16,
+                        bits_budget: float | str | None = "auto", scale_dtype: torch.dtype = torch.float16,
                         data_description: str = "", model_id: str | None = None, model_revision: str | None = None,
-                        progress: bool = True) -> CalibrationResult:
+                        progress: bool = True, choices: Sequence[LayerChoice | None] | None = None
+                        ) -> CalibrationResult:
     """Steps 3-4 of a calibration from collected (or saved, :meth:`CalibrationData.load`) statistics: fit every
-    calibrated layer, allocate the group sizes within ``bits_budget`` (None: ``group_size`` everywhere), and
-    build the settings and calibration. ``sink_tokens`` / ``recent_tokens`` must be those the statistics were
-    collected with."""
+    calibrated layer (or take ``choices`` fitted before with the same arguments), allocate the group sizes within
+    ``bits_budget`` and build the settings and calibration. ``bits_budget``: bits/element of the quantized body
+    (mean over the calibrated K/V streams); ``"auto"`` is ``DEFAULT_BITS_BUDGET`` (2.35), or what ``group_size``
+    everywhere costs where that is more (head_dim 64: per-token groups cannot exceed 64 channels, 2.5 bits), so
+    that the default never stores a model in fewer bits than one group size everywhere would; None:
+    ``group_size`` everywhere. ``sink_tokens`` / ``recent_tokens`` must be those the statistics were collected
+    with."""
     sizes = _check_allocation(group_sizes, bits_budget)
     start = time.perf_counter()
-    choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
-                         sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                         group_sizes=sizes, scale_dtype=scale_dtype, progress=progress)
+    if choices is None:
+        choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
+                             sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
+                             group_sizes=sizes, scale_dtype=scale_dtype, progress=progress)
     allocation = None
     if sizes is not None:
         uniform = body_bits(choices, data.head_dim, scale_dtype)
-        choices = allocate_group_sizes(choices, bits_budget, data.head_dim, scale_dtype)
-        allocation = {"bits_budget": float(bits_budget), "group_sizes": list(sizes), "scale_dtype":
+        budget = max(DEFAULT_BITS_BUDGET, uniform) if bits_budget == "auto" else bits_budget
+        choices = allocate_group_sizes(choices, budget, data.head_dim, scale_dtype)
+        allocation = {"bits_budget": float(budget), "budget_rule": "auto" if bits_budget == "auto" else "given",
+                      "group_sizes": list(sizes), "scale_dtype":
                       str(scale_dtype).removeprefix("torch."),
                       "body_bits": body_bits(choices, data.head_dim, scale_dtype), "uniform_body_bits": uniform,
                       "method": "per K/V stream group size minimising the summed held-back attention error "
@@ -144,7 +154,7 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
                     clip_grid: Sequence[float] = DEFAULT_CLIP_GRID, fit_windows: int = 1, fit_queries: int = 256,
                     sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
                     group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
-                    bits_budget: float | None = DEFAULT_BITS_BUDGET,
+                    bits_budget: float | str | None = "auto",
                     scale_dtype: torch.dtype = torch.float16, data_description: str | None = None,
                     model_id: str | None = None, model_revision: str | None = None, value_pass: str = "spill",
                     spill_dir: str | None = None, layers: Sequence[int] | None = None,
