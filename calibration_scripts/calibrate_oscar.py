@@ -31,7 +31,7 @@ def parse_args(argv=None):
                    help="'smollm2' (bundled, default), 'gemma3' (bundled, [gemma3] extra), a Hub id or a local path")
     p.add_argument("--revision", default=None, help="model revision on the Hub")
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="model dtype (default float32)")
-    p.add_argument("--text", action="append", required=True, metavar="FILE",
+    p.add_argument("--text", action="append", required=False, metavar="FILE",
                    help="calibration text file (UTF-8); repeat for several")
     p.add_argument("--num-tokens", type=int, default=30000,
                    help="tokens of text read in total (default 30000). The last --window of them are held back to "
@@ -48,6 +48,20 @@ def parse_args(argv=None):
                    help="full-precision tokens at the start that the artifact's cache keeps (default 64)")
     p.add_argument("--recent-tokens", type=int, default=256,
                    help="full-precision recent window of the artifact's cache (default 256)")
+    p.add_argument("--bits-budget", default=None, metavar="BITS",
+                   help="mean bits/element of the quantized body over the calibrated K/V streams (2-bit codes + "
+                        "fp16 scale and zero point per group) within which each stream's group size is chosen by "
+                        "held-back error (default 'auto': 2.35, or what --group-size everywhere costs where that "
+                        "is more, e.g. 2.5 at head_dim 64; 'none': --group-size everywhere)")
+    p.add_argument("--group-sizes", default=None, metavar="SIZES",
+                   help="comma-separated candidate group sizes of the allocation (default 32,64,128,256; per-token "
+                        "groups are capped at head_dim)")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="group size without allocation and of layers not calibrated (default 128)")
+    p.add_argument("--from-statistics", metavar="FILE", default=None,
+                   help="fit from the statistics of an earlier --save-statistics run instead of running the model "
+                        "over the text (seconds instead of minutes; --text, --num-tokens and --window are then "
+                        "those of that run, and --sink-tokens / --recent-tokens must be too)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: robust on shared machines; 0 = torch's default)")
     p.add_argument("--output", required=True, help="folder to write the artifact to")
@@ -90,25 +104,72 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
 
+def _allocation(args) -> dict:
+    from hf_kvint2.calibration import DEFAULT_GROUP_SIZES
+
+    budget = args.bits_budget
+    if budget is None or budget.strip().lower() == "auto":
+        budget = "auto"
+    elif budget.strip().lower() == "none":
+        budget = None
+    else:
+        try:
+            budget = float(budget)
+        except ValueError:
+            sys.exit(f"--bits-budget {args.bits_budget!r}: give a number of bits/element such as 2.35, or 'none'.")
+    sizes = DEFAULT_GROUP_SIZES
+    if args.group_sizes is not None:
+        try:
+            sizes = tuple(int(x) for x in args.group_sizes.split(",") if x.strip())
+        except ValueError:
+            sys.exit(f"--group-sizes {args.group_sizes!r}: give comma-separated positive integers such as "
+                     "32,64,128,256.")
+    return {"bits_budget": budget, "group_sizes": sizes, "group_size": args.group_size}
+
+
 def calibrate(args) -> int:
     import torch
 
     from hf_kvint2 import OscarCache
-    from hf_kvint2.calibration import calibration_summary
+    from hf_kvint2.calibration import CalibrationData, calibration_summary, fit_from_statistics
 
+    if not args.text:
+        sys.exit("--text FILE is required (the calibration text; with --from-statistics: the text of that run, "
+                 "recorded in the artifact's description).")
     texts, names = [], []
     for path in args.text:
         if not os.path.isfile(path):
             sys.exit(f"--text {path}: no such file.")
         texts.append(Path(path).read_text(encoding="utf-8"))
         names.append(Path(path).name)
+    if args.from_statistics and not os.path.isfile(args.from_statistics):
+        sys.exit(f"--from-statistics {args.from_statistics}: no such file (write one with --save-statistics).")
     model, tokenizer, model_id, revision = load_model(args.model, args.revision, getattr(torch, args.dtype))
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
-    cache = OscarCache.calibrate(
-        model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window, fit_clip=not args.no_fit_clip,
-        layouts=layouts, centering=(False,) if args.no_centering else (False, True),
-        sink_tokens=args.sink_tokens, recent_tokens=args.recent_tokens, data_description=", ".join(names),
-        model_id=model_id, model_revision=revision, verbose=False)
+    common = dict(fit_clip=not args.no_fit_clip, layouts=layouts,
+                  centering=(False,) if args.no_centering else (False, True), sink_tokens=args.sink_tokens,
+                  recent_tokens=args.recent_tokens, data_description=", ".join(names), model_id=model_id,
+                  model_revision=revision, **_allocation(args))
+    if args.from_statistics:
+        data = CalibrationData.load(args.from_statistics)
+        if data.num_layers != model.config.get_text_config().num_hidden_layers:
+            sys.exit(f"--from-statistics {args.from_statistics}: the statistics have {data.num_layers} layers, the "
+                     f"model {model.config.get_text_config().num_hidden_layers}: they were saved for another model.")
+        import hashlib
+
+        from hf_kvint2.calibration import tokenize_texts
+
+        ids = tokenize_texts(tokenizer, texts, data.info["num_tokens"])
+        if hashlib.sha256(ids.numpy().tobytes()).hexdigest() != data.info.get("token_sha256"):
+            sys.exit(f"--from-statistics {args.from_statistics}: its tokens are not the first "
+                     f"{data.info['num_tokens']} tokens of --text {' '.join(args.text)}: give the text (and model) "
+                     "the statistics were collected on.")
+        result = fit_from_statistics(data, model.config, **common)
+        cache = OscarCache(model.config, settings=result.settings, calibration=result.calibration)
+        cache.calibration_report = result.report
+    else:
+        cache = OscarCache.calibrate(model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window,
+                                     verbose=False, **common)
     folder = cache.save_pretrained(args.output, repo_id=args.push_to_hub)
     if args.save_statistics:
         cache.calibration_report["data"].save(args.save_statistics)

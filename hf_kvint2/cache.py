@@ -276,7 +276,11 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
         over ``num_tokens`` tokens in text windows of ``text_window`` tokens (the last ``fit_windows`` held back
         for fitting). Keyword arguments (:func:`hf_kvint2.calibration.fit_calibration`): ``fit_clip``,
         ``layouts``, ``centering``, ``clip_grid``, ``fit_windows``, ``fit_queries``, ``sink_tokens``,
-        ``recent_tokens``, ``group_size``, ``scale_dtype``, ``data_description``, ``model_id``,
+        ``recent_tokens``, ``group_size``, ``group_sizes`` and ``bits_budget`` (each layer's K and V get the
+        group size among ``group_sizes`` that minimises the held-back error with the mean bits/element of the
+        quantized body within ``bits_budget``; default ``"auto"``: 2.35, or what ``group_size`` everywhere costs
+        where that is more, e.g. 2.5 at head_dim 64; ``bits_budget=None``: ``group_size`` everywhere),
+        ``scale_dtype``, ``data_description``, ``model_id``,
         ``model_revision``, ``value_pass`` (``"spill"`` keeps one window of keys/values on disk between the two
         passes, ``"recompute"`` runs the model twice), ``spill_dir``, ``progress``. The cache carries
         ``calibration_report`` (time, peak memory, choices, statistics: printed, not saved). Save it with

@@ -364,3 +364,165 @@ def test_shipped_gemma3_artifact_calibrates_the_full_attention_layers():
     assert config.layer_types[5::6] == ["full_attention"] * 3  # transformers' default pattern: that of the model
     built = OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID, config=config)
     assert [i for i, layer in enumerate(built.layers) if hasattr(layer, "recipe")] == [5, 11, 17]
+
+
+# ---------------------------------------------------------------------------------------------- group sizes
+def _fake_choice(key_opts: dict, value_opts: dict):
+    """A LayerChoice whose options are {group: error} (candidates built with that group, per channel)."""
+    from hf_kvint2.calibration import Candidate, LayerChoice
+    from hf_kvint2.recipes import GroupLayout
+
+    def opts(errs):
+        return {g: (Candidate(f"g{g}", GroupLayout("channel", g), torch.eye(4), None), e) for g, e in errs.items()}
+    k, v = opts(key_opts), opts(value_opts)
+    first = min(k), min(v)
+    return LayerChoice(k[first[0]][0], v[first[1]][0], k[first[0]][1], v[first[1]][1], {}, {"key": k, "value": v})
+
+
+def test_group_allocation_is_the_exact_optimum_within_the_budget():
+    """The knapsack finds the least summed error within the mean bits/element budget (brute force agrees), ties
+    go to fewer bits, and a budget below the cheapest choice is refused with the bits it would need."""
+    import itertools
+
+    from hf_kvint2.calibration import allocate_group_sizes, body_bits, stream_bits
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = (32, 64, 128, 256)
+    choices = []
+    for _ in range(3):
+        errs = [sorted(torch.rand(4, generator=gen).tolist()) for _ in range(2)]  # smaller groups: smaller error
+        choices.append(_fake_choice(dict(zip(sizes, errs[0])), dict(zip(sizes, errs[1]))))
+    choices.insert(1, None)  # a layer not calibrated is kept as it is
+    streams = [(c, kind) for c in choices if c is not None for kind in ("key", "value")]
+    for budget in (2.125, 2.2, 2.25, 2.35, 2.5, 3.0):
+        got = allocate_group_sizes(choices, budget, head_dim=256)
+        assert got[1] is None
+        assert body_bits(got, 256) <= budget + 1e-12
+        total = sum(c.key_error + c.value_error for c in got if c is not None)
+        best = min(sum(c.options[kind][g][1] for (c, kind), g in zip(streams, pick))
+                   for pick in itertools.product(sizes, repeat=len(streams))
+                   if sum(stream_bits(g) for g in pick) / len(streams) <= budget + 1e-12)
+        assert total == pytest.approx(best, abs=1e-12)
+        for c in got:  # the chosen candidate and its error come from the options
+            if c is not None:
+                assert c.key_error == c.options["key"][c.key.layout.group_size][1]
+    flat = [_fake_choice({32: 0.1, 64: 0.1}, {32: 0.1, 64: 0.1})]
+    assert body_bits(allocate_group_sizes(flat, 3.0, 256), 256) == stream_bits(64)  # equal errors: fewer bits
+    with pytest.raises(ValueError, match=r"bits_budget=2.1 is below .*\(2\.5000 bits/element"):
+        allocate_group_sizes(flat, 2.1, 256)
+    with pytest.raises(ValueError, match="no measured group-size options"):
+        allocate_group_sizes([dataclasses_replace(flat[0], options={})], 2.5, 256)
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def test_fit_layer_measures_every_group_size():
+    """With group_sizes, every candidate is also measured at the other group sizes (per-token groups capped at
+    head_dim; per-channel key groups only up to what the held-back window holds); the default-group choice is
+    the one made without them."""
+    g = torch.Generator().manual_seed(1)
+    h, t, d = 1, 320, 16
+    k, v = torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g)
+    positions = torch.arange(200, 320, 8)
+    q = torch.randn(2, t, d, generator=g)[:, positions]
+    probe = LayerErrorProbe([HeldOutLayer(q, k, v, positions, d ** -0.5)], sink=8, recent=32,
+                            scale_dtype=torch.float16)
+    stats = LayerStatistics(h, d)
+    stats.add_pass1(torch.randn(2, t, d, generator=g), k, v)
+    stats.finish_pass1()
+    stats.add_pass2(k, v)
+    plain = fit_layer(stats, probe, d, group_size=128)
+    sized = fit_layer(stats, probe, d, group_size=128, group_sizes=(8, 64, 256, 512))
+    assert plain.options == {} and (sized.key_error, sized.value_error) == (plain.key_error, plain.value_error)
+    assert sized.key.name == plain.key.name and sized.key.layout == plain.key.layout
+    # per-token groups: 8 and 16 (= head_dim, the default 128 capped); per-channel: 8, 16, 64, 256 tokens (512 is
+    # longer than the 312 tokens after the sink and is not a candidate)
+    assert set(sized.options["key"]) <= {8, 16, 64, 256} and 512 not in sized.options["key"]
+    assert {8, 16, 64, 256} == {int(n.rsplit("/g", 1)[1]) if "/g" in n else 16
+                                for n in sized.errors if n.startswith("key:channel")}
+    assert all(math.isfinite(e) for _, e in sized.options["value"].values())
+    with pytest.raises(ValueError, match="group_sizes must be positive ints"):
+        fit_layer(stats, probe, d, group_sizes=(0,))
+
+
+def test_calibrate_with_bits_budget_records_the_group_sizes(tokenizer, tmp_path):
+    """A budgeted calibration stays within the budget, records the allocation in the calibration info and each
+    stream's group size in its layout; the artifact loads back into the same recipes."""
+    from hf_kvint2.calibration import body_bits
+
+    model = tiny_llama()
+    cache = OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                 group_sizes=(4, 8, 16, 32), bits_budget=3.5, **SETTINGS)
+    alloc = cache.calibration.info["group_allocation"]
+    choices = cache.calibration_report["choices"]
+    assert alloc["bits_budget"] == 3.5 and alloc["group_sizes"] == [4, 8, 16, 32]
+    assert alloc["body_bits"] == body_bits(choices, 16) <= 3.5
+    assert alloc["uniform_body_bits"] == 4.0  # groups of min(128, head_dim 16): 2 + 32 / 16
+    groups = {p[s].group_for(16) for p in cache.calibration.layer_layouts for s in (0, 1)}
+    assert groups <= {4, 8, 16, 32}
+    folder = Path(cache.save_pretrained(tmp_path / "art") or tmp_path / "art")
+    loaded = OscarCache.from_pretrained(folder, config=model.config)
+    assert loaded.calibration.layer_layouts == cache.calibration.layer_layouts
+    for i in range(2):
+        assert (loaded.layers[i].recipe.key, loaded.layers[i].recipe.value) == \
+            (cache.layers[i].recipe.key, cache.layers[i].recipe.value)
+    uniform = OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                   bits_budget=None, **SETTINGS)
+    assert "group_allocation" not in uniform.calibration.info
+    assert all(p[0].group_for(16) == 16 and p[1].group_for(16) == 16 for p in uniform.calibration.layer_layouts)
+    for bad, message in ((2.0, "bits_budget must be"), ("2.5", "bits_budget must be")):
+        with pytest.raises(ValueError, match=message):
+            OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                                 bits_budget=bad, **SETTINGS)
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        OscarCache.calibrate(model, tokenizer, [TEXT], num_tokens=1200, progress=False, verbose=False,
+                             group_sizes=(16, True), **SETTINGS)
+
+
+def test_cli_refits_from_saved_statistics(tokenizer, tmp_path, capsys):
+    """--from-statistics fits the same artifact as the run that saved the statistics (no model run), checks that
+    the text is the one the statistics were collected on, and refuses a bad --bits-budget."""
+    import importlib.util
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    script = Path(__file__).parents[1] / "calibration_scripts" / "calibrate_oscar.py"
+    spec = importlib.util.spec_from_file_location("calibrate_oscar", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    common = ["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
+              "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip", "--group-sizes", "8,16,32",
+              "--bits-budget", "3.5"]
+    stats = tmp_path / "stats.safetensors"
+    assert cli.main([*common, "--output", str(tmp_path / "a"), "--save-statistics", str(stats)]) == 0
+    assert cli.main([*common, "--output", str(tmp_path / "b"), "--from-statistics", str(stats)]) == 0
+    assert "fitted from saved statistics" in capsys.readouterr().out
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT[100:], encoding="utf-8")
+    bad_text = [*common, "--output", str(tmp_path / "c"), "--from-statistics", str(stats)]
+    bad_text[bad_text.index(str(text))] = str(other)
+    with pytest.raises(SystemExit, match="are not the first 800 tokens"):
+        cli.main(bad_text)
+    with pytest.raises(SystemExit, match="--bits-budget 'lots'"):
+        cli.main([*common[:-1], "lots", "--output", str(tmp_path / "d")])
+
+
+def test_default_budget_never_goes_below_one_group_size_everywhere(llama_cache):
+    """The default budget ("auto") is 2.35 bits/element, or what group_size everywhere costs where that is more:
+    at head_dim 16 per-token groups hold at most 16 channels (4 bits/element), so the default keeps 4 bits and
+    spends them where the held-back error says."""
+    from hf_kvint2.calibration import DEFAULT_BITS_BUDGET, body_bits
+
+    alloc = llama_cache.calibration.info["group_allocation"]
+    assert alloc["budget_rule"] == "auto" and DEFAULT_BITS_BUDGET == 2.35
+    assert alloc["bits_budget"] == alloc["uniform_body_bits"] == 4.0
+    assert body_bits(llama_cache.calibration_report["choices"], 16) <= 4.0

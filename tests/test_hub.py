@@ -376,11 +376,15 @@ def _copy_artifact(src, dst, edit_config=None, edit_tensors=None):
     (lambda c: c["settings"].update(scale_dtype="int8"), None, "scale_dtype 'int8'"),
     (lambda c: c["settings"].update(new_knob=1), None, r"unknown settings \['new_knob'\]"),
     (lambda c: c["layers"][0]["key_layout"].update(axis="diagonal"), None, "invalid layout"),
+    (lambda c: c["layers"][0]["key_layout"].update(group_size=1 << 20), None,
+     r"layout's group_size must be an integer in \[1, 65536\].* got 1048576"),
+    (lambda c: c["layers"][1]["value_layout"].update(group_size=True), None, "layout's group_size .* got True"),
     (lambda c: c["settings"].update(k_clip=[0.9]), None, "k_clip lists 1 clip ratios but num_layers is 2"),
     (lambda c: c["settings"].update(v_clip=1.5), None, r"v_clip ratios must be numbers in \(0, 1\]"),
 ], ids=["wrong-rotation-shape", "wrong-mean-shape", "non-orthogonal", "nan", "missing-tensor", "unexpected-tensor",
         "missing-layer", "newer-version", "bad-version", "other-format", "not-an-artifact", "bad-shape-value",
-        "bad-scale-dtype", "unknown-setting", "bad-layout", "clip-count", "clip-range"])
+        "bad-scale-dtype", "unknown-setting", "bad-layout", "layout-group-too-large", "layout-group-bool",
+        "clip-count", "clip-range"])
 def test_broken_artifacts_get_clear_errors(saved, tmp_path, edit_config, edit_tensors, message):
     folder, _ = saved
     broken = _copy_artifact(folder, tmp_path / "broken", edit_config, edit_tensors)
@@ -540,15 +544,17 @@ def test_shipped_artifacts_are_package_data():
 def test_shipped_artifact_runs_on_smollm2(smollm2):
     model, tokenizer = smollm2
     text = (Path(hub.__file__).parents[1] / "data" / "emma.txt").read_text(encoding="utf-8")[20000:24000]
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :352]  # > sink 64 + recent 256: the body is used
+    # > sink 64 + recent 256 + the largest per-channel group the calibration may choose (256 tokens; layer 0's keys
+    # use it): every layer's body is used
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :640]
     cache = OscarCache.from_pretrained(hub.SMOLLM2_ARTIFACT_ID, config=model.config)  # checked against the model
 
     def run(c):
         with torch.no_grad():
-            return torch.cat([model(ids[:, s:s + 176], past_key_values=c).logits for s in (0, 176)], dim=1)
+            return torch.cat([model(ids[:, s:s + 320], past_key_values=c).logits for s in (0, 320)], dim=1)
 
     logits = run(cache)
-    assert torch.isfinite(logits).all() and cache.layers[0].body_len > 0
+    assert ids.shape[1] == 640 and torch.isfinite(logits).all() and all(layer.body_len > 0 for layer in cache.layers)
     assert not torch.equal(logits, run(OscarCache()))  # the calibration is in effect
     with pytest.raises(ArtifactError, match="num_key_value_heads=3, but the model .* has num_key_value_heads=2"):
         chunked_logits(make_tiny_llama(kv_heads=2, head_dim=64), OscarCache.from_pretrained(

@@ -23,22 +23,33 @@ How it runs:
   pass 1 keeps their keys, values and a sample of queries per layer. Clip ratios and layouts are chosen on them
   by the attention-output error of the quantized cache (sink and recent windows exact, body quantized).
 
+* **Group sizes.** Every candidate is also measured at the other ``group_sizes`` (per-token groups capped at
+  ``head_dim``; per-channel key groups of that many tokens), and each layer's K and V stream gets the group size
+  that minimises the summed held-back error with the mean bits/element of the quantized body within
+  ``bits_budget`` (an exact knapsack over the scale bits; ``bits_budget=None``: ``group_size`` everywhere). The
+  chosen sizes are in the layouts the artifact stores per layer.
+
 Tokens inside the sink window (the first ``sink_tokens`` of every window) never get quantized, so they are left
 out of the key/value statistics (they carry the attention-sink outliers); all queries count.
 """
 
 from .capture import capture_attention, tokenize_texts
 from .fitting import (
+    DEFAULT_BITS_BUDGET,
     DEFAULT_CLIP_GRID,
+    DEFAULT_GROUP_SIZES,
     DEFAULT_K_CLIP,
     DEFAULT_V_CLIP,
     LAYOUTS,
     Candidate,
     LayerChoice,
     LayerErrorProbe,
+    allocate_group_sizes,
+    body_bits,
     candidate_transforms,
     fit_layer,
     fit_layers,
+    stream_bits,
 )
 from .run import (
     CalibrationResult,
@@ -46,12 +57,15 @@ from .run import (
     calibration_info,
     calibration_summary,
     fit_calibration,
+    fit_from_statistics,
     settings_from_choices,
 )
 from .statistics import CalibrationData, HeldOutLayer, LayerStatistics, collect_statistics
 
 __all__ = [
+    "DEFAULT_BITS_BUDGET",
     "DEFAULT_CLIP_GRID",
+    "DEFAULT_GROUP_SIZES",
     "DEFAULT_K_CLIP",
     "DEFAULT_V_CLIP",
     "LAYOUTS",
@@ -62,6 +76,8 @@ __all__ = [
     "LayerChoice",
     "LayerErrorProbe",
     "LayerStatistics",
+    "allocate_group_sizes",
+    "body_bits",
     "calibration_from_choices",
     "calibration_info",
     "calibration_summary",
@@ -69,8 +85,10 @@ __all__ = [
     "capture_attention",
     "collect_statistics",
     "fit_calibration",
+    "fit_from_statistics",
     "fit_layer",
     "fit_layers",
     "settings_from_choices",
+    "stream_bits",
     "tokenize_texts",
 ]

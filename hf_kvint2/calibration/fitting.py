@@ -1,10 +1,12 @@
 """Calibration, step 3: candidate transforms per layer and the choice of layout, centring and clip ratio by
-the attention-output error on the held-back windows (see :mod:`hf_kvint2.calibration`)."""
+the attention-output error on the held-back windows, then the budgeted choice of each stream's group size
+(:func:`allocate_group_sizes`; see :mod:`hf_kvint2.calibration`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,6 +18,14 @@ from .statistics import CalibrationData, HeldOutLayer, LayerStatistics
 LAYOUTS = ("spectral", "hadamard", "channel")
 DEFAULT_CLIP_GRID = (0.86, 0.89, 0.92, 0.94, 0.96, 0.98, 1.0)
 DEFAULT_K_CLIP, DEFAULT_V_CLIP = 0.96, 0.92
+# Group sizes each K/V stream may get (per-token groups are capped at head_dim) and the default budget of the
+# quantized body in bits/element, averaged over the calibrated K/V streams: 2-bit codes plus a scale and a zero
+# point per group (2 x 16 bits with fp16 scales: 32 / group bits). 2.35 is what the uniform group of 128 costs
+# (2.25) plus 0.1 bit to spend where it pays; with the default 64 + 256 full-precision tokens a 16-bit model's
+# cache holds about 2.39 bits/element at 128k tokens. The calibration's default budget ("auto") is this, or the
+# uniform layout's bits where those are more (head_dim 64: 2.5).
+DEFAULT_GROUP_SIZES = (32, 64, 128, 256)
+DEFAULT_BITS_BUDGET = 2.35
 
 @dataclass(frozen=True)
 class Candidate:
@@ -75,11 +85,25 @@ class LayerErrorProbe:
         n = x.shape[1] - self.sink
         if cand.layout.axis == "channel":
             n -= n % group  # whole token blocks only; the rest is still in the recent window
-        stream = QuantizedStream(StreamCodec(cand.layout, group, cand.rotation, cand.mean, self.scale_dtype))
+        codec = StreamCodec(cand.layout, group, cand.rotation, cand.mean, self.scale_dtype)
+        stream = QuantizedStream(codec)
         stream.append(x[None, :, self.sink: self.sink + n])
         out = x.clone()
         out[:, self.sink: self.sink + n] = stream.dequantize()[0]
+        rest = x.shape[1] - self.sink - n
+        if rest and cand.layout.axis == "channel" and x.shape[1] - self.sink >= group:
+            # the tokens after the last whole block: stored as part of the block of the window's last `group`
+            # tokens, so that every token of the body is quantized whatever the group size (at longer contexts
+            # they would be in a block; an exact tail would favour large groups)
+            tail = QuantizedStream(codec)
+            tail.append(x[None, :, -group:])
+            out[:, -rest:] = tail.dequantize()[0][:, -rest:]
         return out
+
+    @property
+    def longest_group(self) -> int:
+        """The largest per-channel token group the held-back windows can measure (tokens after the sink)."""
+        return min(win["w"].k.shape[1] for win in self.windows) - self.sink
 
     def error(self, kind: str, cand: Candidate) -> float:
         num = den = 0.0
@@ -106,47 +130,137 @@ class LayerChoice:
     value: Candidate
     key_error: float
     value_error: float
-    errors: dict = field(default_factory=dict)  # "key:<name>@<clip>" -> error, same for values
+    errors: dict = field(default_factory=dict)  # "key:<name>@<clip>" -> error (default group; "/g<n>" others)
+    # kind ("key" / "value") -> {group size actually used: (best Candidate, its error)}: what the group-size
+    # allocation chooses from
+    options: dict = field(default_factory=dict)
 
 
 def _candidate_name(layout: str, centered: bool) -> str:
     return layout + ("+center" if centered else "")
 
 
+def _group_options(axis: str, sizes: Sequence[int], head_dim: int) -> list[int]:
+    """The distinct group sizes actually used for ``sizes`` on ``axis`` (per-token groups capped at head_dim)."""
+    out = []
+    for g in sizes:
+        eff = min(g, head_dim) if axis == "token" else g
+        if eff not in out:
+            out.append(eff)
+    return out
+
+
 def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: int, *, layouts=LAYOUTS,
               centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
-              group_size: int = 128) -> LayerChoice:
+              group_size: int = 128, group_sizes: Sequence[int] | None = None) -> LayerChoice:
     """Pick the key and the value candidate with the lowest attention-output error (first wins ties); without
-    ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP``."""
-    if probe is None and (fit_clip or len(layouts) * len(centering) > 1):
-        raise ValueError("Fitting clips or choosing among layouts needs held-back windows (fit_windows >= 1).")
-    chosen, errors = {}, {}
+    ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP``.
+
+    The choice is made at ``group_size`` (per-channel key groups over ``min(group_size, head_dim)`` tokens: the
+    same scale count as per-token groups); ``group_sizes`` also measures every candidate at those group sizes and
+    keeps the best per group size in :attr:`LayerChoice.options` for :func:`allocate_group_sizes`."""
+    if probe is None and (fit_clip or len(layouts) * len(centering) > 1 or group_sizes):
+        raise ValueError("Fitting clips, choosing among layouts or group sizes needs held-back windows "
+                         "(fit_windows >= 1).")
+    default = min(group_size, head_dim)
+    extra = [g for g in (group_sizes or ()) if isinstance(g, int) and g > 0]
+    if group_sizes is not None and len(extra) != len(group_sizes):
+        raise ValueError(f"group_sizes must be positive ints, got {tuple(group_sizes)}.")
+    chosen, errors, options = {}, {}, {}
     for kind, default_clip in (("key", DEFAULT_K_CLIP), ("value", DEFAULT_V_CLIP)):
-        best = None
+        best = {}  # group size actually used -> (candidate, error)
         for layout in layouts:
             for centered in centering:
                 rot, mean, evals = candidate_transforms(stats, kind, layout, centered, head_dim)
-                if layout == "channel":  # per-channel groups over tokens: same scale count as per-token groups
-                    clips = [None]
-                    axis, size = "channel", min(group_size, head_dim)
+                if layout == "channel":  # per-channel groups over tokens
+                    clips, axis = [None], "channel"
                 else:
-                    clips = list(clip_grid) if fit_clip else [default_clip]
-                    axis, size = "token", group_size
+                    clips, axis = (list(clip_grid) if fit_clip else [default_clip]), "token"
+                sizes = _group_options(axis, [default, *extra], head_dim)
+                if axis == "channel" and probe is not None:  # a group longer than the windows is never measured
+                    sizes = [g for g in sizes if g == default or g <= probe.longest_group]
                 for clip in clips:
                     clip = None if clip is not None and clip >= 1.0 else clip
-                    cand = Candidate(_candidate_name(layout, centered), GroupLayout(axis, size, clip), rot, mean,
-                                     evals)
-                    err = float("nan") if probe is None else probe.error(kind, cand)
-                    errors[f"{kind}:{cand.name}@{clip}"] = err
-                    if best is None or err < best[1]:
-                        best = (cand, err)
-        chosen[kind] = best
-    return LayerChoice(chosen["key"][0], chosen["value"][0], chosen["key"][1], chosen["value"][1], errors)
+                    for size in sizes:
+                        # the default group is stored as before (token groups as group_size, capped when used)
+                        stored = (group_size if axis == "token" else default) if size == default else size
+                        cand = Candidate(_candidate_name(layout, centered), GroupLayout(axis, stored, clip), rot,
+                                         mean, evals)
+                        err = float("nan") if probe is None else probe.error(kind, cand)
+                        errors[f"{kind}:{cand.name}@{clip}" + ("" if size == default else f"/g{size}")] = err
+                        if size not in best or err < best[size][1]:
+                            best[size] = (cand, err)
+        chosen[kind] = best[default]
+        options[kind] = dict(sorted(best.items()))
+    return LayerChoice(chosen["key"][0], chosen["value"][0], chosen["key"][1], chosen["value"][1], errors,
+                       options if group_sizes else {})
+
+
+def stream_bits(group: int, scale_dtype: torch.dtype = torch.float16) -> float:
+    """Bits/element of a quantized body stored in groups of ``group``: 2-bit codes + scale and zero point."""
+    return 2.0 + 2 * torch.finfo(scale_dtype).bits / group
+
+
+def body_bits(choices: Sequence[LayerChoice | None], head_dim: int,
+              scale_dtype: torch.dtype = torch.float16) -> float:
+    """Mean bits/element of the quantized body over the calibrated layers' K and V streams (the same number of
+    elements each; the full-precision windows not counted: they depend on the context length)."""
+    groups = [c.key.layout.group_for(head_dim) for c in choices if c is not None] + \
+             [c.value.layout.group_for(head_dim) for c in choices if c is not None]
+    if not groups:
+        raise ValueError("No calibrated layer: no quantized body to count the bits of.")
+    return sum(stream_bits(g, scale_dtype) for g in groups) / len(groups)
+
+
+def allocate_group_sizes(choices: Sequence[LayerChoice | None], bits_budget: float, head_dim: int,
+                         scale_dtype: torch.dtype = torch.float16) -> list[LayerChoice | None]:
+    """Give every calibrated K/V stream the group size (among its :attr:`LayerChoice.options`) that minimises the
+    summed held-back attention-output error with the mean body bits/element (:func:`body_bits`) within
+    ``bits_budget``: an exact multiple-choice knapsack by dynamic programming over the scale bits (few streams,
+    few group sizes: instant). Ties go to fewer bits. Layers without options (or None) are kept as they are."""
+    streams = [(i, kind) for i, c in enumerate(choices) if c is not None for kind in ("key", "value")]
+    if not streams:
+        raise ValueError("No calibrated layer: nothing to allocate group sizes to.")
+    for i, kind in streams:
+        if not choices[i].options.get(kind):
+            raise ValueError(f"Layer {i} has no measured group-size options for its {kind}s: fit it with "
+                             "fit_layer(..., group_sizes=...).")
+    opts = [sorted(choices[i].options[kind].items()) for i, kind in streams]
+    unit = math.lcm(*(g for o in opts for g, _ in o))  # scale bits of group g: 2 * bits * (unit / g) / unit
+    per_unit = 2 * torch.finfo(scale_dtype).bits / unit
+    capacity = math.floor((bits_budget - 2.0) * len(streams) / per_unit + 1e-9)
+    cheapest = sum(min(unit // g for g, _ in o) for o in opts)
+    if capacity < cheapest:
+        lowest = 2.0 + cheapest * per_unit / len(streams)
+        raise ValueError(f"bits_budget={bits_budget} is below what the largest candidate groups cost "
+                         f"({lowest:.4f} bits/element over the calibrated K/V streams): raise bits_budget or add "
+                         "larger group_sizes.")
+    # dp[w] = (summed error, choices) with exactly w scale units spent; built stream by stream
+    dp = {0: (0.0, ())}
+    for o in opts:
+        nxt = {}
+        for w, (err, picked) in dp.items():
+            for g, (_, e) in o:
+                w2 = w + unit // g
+                if w2 > capacity:
+                    continue
+                cand = (err + e, picked + (g,))
+                if w2 not in nxt or cand[0] < nxt[w2][0]:
+                    nxt[w2] = cand
+        dp = nxt
+    best_w = min(dp, key=lambda w: (dp[w][0], w))
+    picked = dp[best_w][1]
+    out = list(choices)
+    for (i, kind), g in zip(streams, picked):
+        cand, err = choices[i].options[kind][g]
+        out[i] = replace(out[i], **{kind: cand, f"{kind}_error": err})
+    return out
 
 
 def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True), fit_clip: bool = True,
                clip_grid=DEFAULT_CLIP_GRID, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
-               scale_dtype: torch.dtype = torch.float16, progress: bool = True) -> list[LayerChoice | None]:
+               group_sizes: Sequence[int] | None = None, scale_dtype: torch.dtype = torch.float16,
+               progress: bool = True) -> list[LayerChoice | None]:
     """One :class:`LayerChoice` per layer, None for the layers without statistics (not calibrated)."""
     from tqdm.auto import tqdm
 
@@ -158,5 +272,6 @@ def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True
         held = [w[idx] for w in data.held_out]
         probe = LayerErrorProbe(held, sink_tokens, recent_tokens, scale_dtype) if held else None
         choices.append(fit_layer(data.stats[idx], probe, data.head_dim, layouts=layouts, centering=centering,
-                                 fit_clip=fit_clip, clip_grid=clip_grid, group_size=group_size))
+                                 fit_clip=fit_clip, clip_grid=clip_grid, group_size=group_size,
+                                 group_sizes=group_sizes))
     return choices

@@ -14,7 +14,18 @@ import torch
 from ..distributed import is_main_process
 from ..model_config import layer_types
 from ..settings import OscarCalibration, OscarSettings
-from .fitting import DEFAULT_CLIP_GRID, DEFAULT_K_CLIP, DEFAULT_V_CLIP, LAYOUTS, LayerChoice, fit_layers
+from .fitting import (
+    DEFAULT_BITS_BUDGET,
+    DEFAULT_CLIP_GRID,
+    DEFAULT_GROUP_SIZES,
+    DEFAULT_K_CLIP,
+    DEFAULT_V_CLIP,
+    LAYOUTS,
+    LayerChoice,
+    allocate_group_sizes,
+    body_bits,
+    fit_layers,
+)
 from .statistics import CalibrationData, _peak_memory_bytes, collect_statistics
 
 
@@ -55,9 +66,12 @@ def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens:
 
 def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], config, data_description: str,
                      model_id: str | None = None, model_revision: str | None = None, *, layouts=LAYOUTS,
-                     centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID) -> dict:
-    """The deterministic description stored in the artifact (no timings: same inputs, same bytes)."""
-    return {
+                     centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
+                     group_allocation: dict | None = None) -> dict:
+    """The deterministic description stored in the artifact (no timings: same inputs, same bytes).
+    ``group_allocation`` (the budget, candidate group sizes and the bits reached) is recorded when the group sizes
+    were allocated; the chosen group size of each layer's K and V is in its layouts."""
+    info = {
         "base_model": model_id or getattr(config, "name_or_path", None) or None,
         "base_model_revision": model_revision or getattr(config, "_commit_hash", None),
         "num_layers": data.num_layers, "num_key_value_heads": data.kv_heads, "head_dim": data.head_dim,
@@ -73,12 +87,74 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
         "attention_error": {"key": [None if c is None else c.key_error for c in choices],
                             "value": [None if c is None else c.value_error for c in choices]},
     }
+    if group_allocation is not None:
+        info["group_allocation"] = group_allocation
+    return info
+
+
+def _check_allocation(group_sizes, bits_budget) -> tuple[int, ...] | None:
+    if bits_budget is None:
+        return None
+    if bits_budget != "auto" and (isinstance(bits_budget, bool) or not isinstance(bits_budget, (int, float))
+                                  or not 2.0 < bits_budget <= 16.0):
+        raise ValueError(f"bits_budget must be a number of bits/element in (2, 16] (2-bit codes plus the scales), "
+                         f"'auto' (the default: {DEFAULT_BITS_BUDGET}, or what group_size everywhere costs where "
+                         f"that is more) or None (group_size everywhere), got {bits_budget!r}.")
+    sizes = tuple(group_sizes or ())
+    if not sizes or any(not isinstance(g, int) or isinstance(g, bool) or g <= 0 for g in sizes):
+        raise ValueError(f"group_sizes must be a non-empty sequence of positive ints (default "
+                         f"{DEFAULT_GROUP_SIZES}), got {group_sizes!r}.")
+    return sizes
+
+
+def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True, layouts: Sequence[str] = LAYOUTS,
+                        centering: Sequence[bool] = (False, True), clip_grid: Sequence[float] = DEFAULT_CLIP_GRID,
+                        sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
+                        group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
+                        bits_budget: float | str | None = "auto", scale_dtype: torch.dtype = torch.float16,
+                        data_description: str = "", model_id: str | None = None, model_revision: str | None = None,
+                        progress: bool = True, choices: Sequence[LayerChoice | None] | None = None
+                        ) -> CalibrationResult:
+    """Steps 3-4 of a calibration from collected (or saved, :meth:`CalibrationData.load`) statistics: fit every
+    calibrated layer (or take ``choices`` fitted before with the same arguments), allocate the group sizes within
+    ``bits_budget`` and build the settings and calibration. ``bits_budget``: bits/element of the quantized body
+    (mean over the calibrated K/V streams); ``"auto"`` is ``DEFAULT_BITS_BUDGET`` (2.35), or what ``group_size``
+    everywhere costs where that is more (head_dim 64: per-token groups cannot exceed 64 channels, 2.5 bits), so
+    that the default never stores a model in fewer bits than one group size everywhere would; None:
+    ``group_size`` everywhere. ``sink_tokens`` / ``recent_tokens`` must be those the statistics were collected
+    with."""
+    sizes = _check_allocation(group_sizes, bits_budget)
+    start = time.perf_counter()
+    if choices is None:
+        choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
+                             sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
+                             group_sizes=sizes, scale_dtype=scale_dtype, progress=progress)
+    allocation = None
+    if sizes is not None:
+        uniform = body_bits(choices, data.head_dim, scale_dtype)
+        budget = max(DEFAULT_BITS_BUDGET, uniform) if bits_budget == "auto" else bits_budget
+        choices = allocate_group_sizes(choices, budget, data.head_dim, scale_dtype)
+        allocation = {"bits_budget": float(budget), "budget_rule": "auto" if bits_budget == "auto" else "given",
+                      "group_sizes": list(sizes), "scale_dtype":
+                      str(scale_dtype).removeprefix("torch."),
+                      "body_bits": body_bits(choices, data.head_dim, scale_dtype), "uniform_body_bits": uniform,
+                      "method": "per K/V stream group size minimising the summed held-back attention error "
+                                "within the mean body bits/element budget (exact knapsack)"}
+    info = calibration_info(data, choices, config, data_description, model_id, model_revision, layouts=layouts,
+                            centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
+                            group_allocation=allocation)
+    report = {"seconds_fit": time.perf_counter() - start, "choices": choices, "data": data}
+    settings = settings_from_choices(choices, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                     group_size=group_size, scale_dtype=scale_dtype)
+    return CalibrationResult(settings, calibration_from_choices(choices, info), report)
 
 
 def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30000, text_window: int = 2048, *,
                     fit_clip: bool = True, layouts: Sequence[str] = LAYOUTS, centering: Sequence[bool] = (False, True),
                     clip_grid: Sequence[float] = DEFAULT_CLIP_GRID, fit_windows: int = 1, fit_queries: int = 256,
                     sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
+                    group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
+                    bits_budget: float | str | None = "auto",
                     scale_dtype: torch.dtype = torch.float16, data_description: str | None = None,
                     model_id: str | None = None, model_revision: str | None = None, value_pass: str = "spill",
                     spill_dir: str | None = None, layers: Sequence[int] | None = None,
@@ -94,29 +170,26 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
         raise ValueError(f"clip_grid ratios must lie in (0, 1], got {tuple(clip_grid)}.")
     if num_tokens <= 0 or text_window <= 0 or fit_windows < 0:
         raise ValueError("num_tokens and text_window must be positive and fit_windows non-negative.")
-    choosing = fit_clip or len(layouts) * len(centering) > 1
+    _check_allocation(group_sizes, bits_budget)
+    choosing = fit_clip or len(layouts) * len(centering) > 1 or bits_budget is not None
     if choosing and fit_windows == 0:
-        raise ValueError("Fitting clips or choosing among layouts needs fit_windows >= 1 held-back window.")
+        raise ValueError("Fitting clips, choosing among layouts or allocating group sizes (bits_budget) needs "
+                         "fit_windows >= 1 held-back window (or bits_budget=None).")
     start = time.perf_counter()
     data = collect_statistics(model, tokenizer, texts, num_tokens=num_tokens, text_window=text_window,
                               fit_windows=fit_windows if choosing else 0, fit_queries=fit_queries,
                               sink_tokens=sink_tokens, recent_tokens=recent_tokens, value_pass=value_pass,
                               spill_dir=spill_dir, layers=layers, progress=progress)
-    fit_start = time.perf_counter()
-    choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
-                         sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                         scale_dtype=scale_dtype, progress=progress)
-    seconds = time.perf_counter() - start
-    info = calibration_info(data, choices, model.config, data_description or
-                            f"{len(texts) if not isinstance(texts, str) else 1} text(s)", model_id, model_revision,
-                            layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid)
+    result = fit_from_statistics(
+        data, model.config, fit_clip=fit_clip, layouts=layouts, centering=centering, clip_grid=clip_grid,
+        sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size, group_sizes=group_sizes,
+        bits_budget=bits_budget, scale_dtype=scale_dtype,
+        data_description=data_description or f"{len(texts) if not isinstance(texts, str) else 1} text(s)",
+        model_id=model_id, model_revision=model_revision, progress=progress)
     device = next(model.parameters()).device
-    report = {"seconds": seconds, "seconds_capture": data.info["seconds_capture"],
-              "seconds_fit": time.perf_counter() - fit_start, "peak_memory_bytes": _peak_memory_bytes(device),
-              "choices": choices, "data": data}
-    settings = settings_from_choices(choices, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                     group_size=group_size, scale_dtype=scale_dtype)
-    return CalibrationResult(settings, calibration_from_choices(choices, info), report)
+    result.report.update(seconds=time.perf_counter() - start, seconds_capture=data.info["seconds_capture"],
+                         peak_memory_bytes=_peak_memory_bytes(device))
+    return result
 
 
 def print_summary(cache) -> None:
@@ -137,11 +210,18 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
         (f"  tokens: {info.get('num_tokens')} ({info.get('statistics_tokens')} for statistics, "
          f"{info.get('held_out_tokens')} held back for fitting), text window {info.get('window')}"),
     ]
-    if report:
+    if report.get("seconds") is not None:
         lines.append(f"  time: {report['seconds']:.1f} s (capture {report['seconds_capture']:.1f} s, fitting "
                      f"{report['seconds_fit']:.1f} s); peak memory: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
-    lines.append(f"  {'layer':>5}  {'key layout':<16}{'k clip':>7}{'k err':>10}  {'value layout':<16}{'v clip':>7}"
-                 f"{'v err':>10}")
+    elif report.get("seconds_fit") is not None:
+        lines.append(f"  fitted from saved statistics in {report['seconds_fit']:.1f} s")
+    allocation = info.get("group_allocation")
+    if allocation:
+        lines.append(f"  group sizes allocated within {allocation['bits_budget']} bits/element (candidates "
+                     f"{allocation['group_sizes']}): body {allocation['body_bits']:.4f} bits/element (one group "
+                     f"size everywhere: {allocation['uniform_body_bits']:.4f})")
+    lines.append(f"  {'layer':>5}  {'key layout':<16}{'k grp':>6}{'k clip':>7}{'k err':>10}  {'value layout':<16}"
+                 f"{'v grp':>6}{'v clip':>7}{'v err':>10}")
     errors = info.get("attention_error", {})
     types = info.get("layer_types") or [None] * len(calibration.layer_layouts)
     for i, pair in enumerate(calibration.layer_layouts):
@@ -151,8 +231,9 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
         kname, vname = calibration.layout_names[i].removeprefix("key=").split(" value=")
         ke, ve = errors.get("key", [None] * (i + 1))[i], errors.get("value", [None] * (i + 1))[i]
         fmt = lambda e: "-" if e is None or math.isnan(e) else f"{e:.2e}"
-        lines.append(f"  {i:>5}  {kname:<16}{_clip_str(pair[0].clip):>7}{fmt(ke):>10}  {vname:<16}"
-                     f"{_clip_str(pair[1].clip):>7}{fmt(ve):>10}")
+        d = info.get("head_dim") or 1 << 30
+        lines.append(f"  {i:>5}  {kname:<16}{pair[0].group_for(d):>6}{_clip_str(pair[0].clip):>7}{fmt(ke):>10}  "
+                     f"{vname:<16}{pair[1].group_for(d):>6}{_clip_str(pair[1].clip):>7}{fmt(ve):>10}")
     if artifact_path is not None:
         lines.append(f"  artifact written to: {artifact_path}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ import torch
 
 from ..model_config import model_shape
 from ..recipes import GroupLayout
-from ..settings import OscarCalibration, SettingsError
+from ..settings import SETTING_BOUNDS, OscarCalibration, SettingsError
 from ..transforms import check_orthogonal
 from ..version import __version__
 from . import safety
@@ -278,6 +278,12 @@ def _layout_from_json(value, where: str) -> GroupLayout | None:
     known = {f.name for f in fields(GroupLayout)}
     if not isinstance(value, dict) or set(value) - known:
         raise _fail(where, f"a layout must be an object with keys {sorted(known)}, got {value!r}.")
+    group = value.get("group_size", 1)
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 < group <= SETTING_BOUNDS["group_size"]:
+        # each K/V stream's group size (chosen per layer by the calibration's bits budget); the static caches
+        # allocate per-channel blocks of this many tokens, so a huge value is a corrupt or hostile file
+        raise _fail(where, f"a layout's group_size must be an integer in [1, {SETTING_BOUNDS['group_size']}] (the "
+                           f"tokens or channels per quantization group), got {group!r}.")
     try:
         return GroupLayout(**value)
     except (TypeError, ValueError) as e:
