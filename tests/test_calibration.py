@@ -251,7 +251,8 @@ def test_bad_inputs_get_clear_errors(tokenizer):
                              progress=False, verbose=False)
 
 
-def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
+def _calibration_cli(tokenizer, tmp_path):
+    """The calibration script as a module, a saved tiny Llama and a text file to run it on."""
     import importlib.util
 
     model_dir = tmp_path / "model"
@@ -263,6 +264,11 @@ def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("calibrate_oscar", script)
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
+    return cli, model_dir, text
+
+
+def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
+    cli, model_dir, text = _calibration_cli(tokenizer, tmp_path)
     out = tmp_path / "artifact"
     assert cli.main(["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
                      "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip", "--output", str(out)]) == 0
@@ -486,17 +492,7 @@ def test_calibrate_with_bits_budget_records_the_group_sizes(tokenizer, tmp_path)
 def test_cli_refits_from_saved_statistics(tokenizer, tmp_path, capsys):
     """--from-statistics fits the same artifact as the run that saved the statistics (no model run), checks that
     the text is the one the statistics were collected on, and refuses a bad --bits-budget."""
-    import importlib.util
-
-    model_dir = tmp_path / "model"
-    tiny_llama().save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT, encoding="utf-8")
-    script = Path(__file__).parents[1] / "calibration_scripts" / "calibrate_oscar.py"
-    spec = importlib.util.spec_from_file_location("calibrate_oscar", script)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli, model_dir, text = _calibration_cli(tokenizer, tmp_path)
     common = ["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
               "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip", "--group-sizes", "8,16,32",
               "--bits-budget", "3.5"]
