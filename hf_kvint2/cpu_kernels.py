@@ -562,7 +562,8 @@ def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int
     i0 = math.floor(pos)
     i1 = min(i0 + 1, d - 1)
     frac = pos - i0
-    x = xr.reshape(b * h * n, d).to(torch.float32).contiguous()  # clipped in place: callers pass a temporary
+    # clipped in place: callers pass a temporary; detached: quantization has no gradient (a forward with grad on)
+    x = xr.detach().reshape(b * h * n, d).to(torch.float32).contiguous()
     codes = torch.empty(b * h * n, d // 4, dtype=torch.uint8)
     scale = torch.empty(b * h * n, d // group, dtype=_SCALE_BITS[kind])
     lo = torch.empty_like(scale)

@@ -45,6 +45,9 @@ RANGE_SPREAD_LIMIT = 3.0
 # (relative_channel_error) is below this fraction of the Hadamard's: Gemma 3 full-attention layers 0.018-0.042,
 # SmolLM2 0.155-0.88 (the geometric middle of the gap, about 2x from either side).
 CHANNEL_ERROR_LIMIT = 0.08
+# relative_channel_error looks at most this many of the first demoted keys: the decision needs a sample, and a
+# long prompt's first demotion (32k tokens) would otherwise quantize all of it twice more (memory, time).
+CHANNEL_ERROR_TOKENS = 1024
 
 
 def range_spread(x: torch.Tensor, group: int, shard: TensorParallelShard | None = None) -> float | None:
@@ -70,8 +73,8 @@ def relative_channel_error(codec: StreamCodec, keys: torch.Tensor) -> float | No
     each channel, in units of that channel's variance over the tokens, summed over the channels and heads, with
     the identity rotation over the same with ``codec``'s (both with the codec's groups, token scaling and scales),
     for original-space keys [B, H, n, D] (whole groups only; all ranks' heads under tensor parallelism). None if
-    there are fewer than one group of tokens."""
-    n = (keys.shape[-2] // codec.group) * codec.group
+    there are fewer than one group of tokens. At most :data:`CHANNEL_ERROR_TOKENS` tokens are used."""
+    n = (min(keys.shape[-2], CHANNEL_ERROR_TOKENS) // codec.group) * codec.group
     if n == 0:
         return None
     x = keys[:, :, :n].float()
