@@ -65,6 +65,14 @@ class FixedShapeLayerMixin:
     of the batch changes and offloading its preallocated buffers cannot follow. Needs ``state_tensors()``,
     ``is_initialized``, ``batch_size`` and ``_name``."""
 
+    def _init_fixed_shape_state(self) -> None:
+        """The position counter and the flags that hf_kvint2.export and the "oscar" attention set."""
+        self.cumulative_length = torch.tensor(0, dtype=torch.long)
+        self.fused_attention = False  # set by the "oscar" attention in eager mode (see hf_kvint2.steps)
+        self.bound = False  # set by hf_kvint2.export.bind_static_cache: update returns the chunk itself
+        self.functional = False  # writes out of place (ONNX: state as graph inputs/outputs)
+        self._ring_snapshot = None
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder batch rows in place (buffers keep their addresses)."""
         if self.is_initialized:
@@ -120,11 +128,7 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
         self.body_capacity = -(-body_positions // self.attention_block) * self.attention_block if demotes else \
             (self.block if self.block <= body_positions else 0)
         self.writes_body = self.body_capacity >= self.block
-        self.cumulative_length = torch.tensor(0, dtype=torch.long)
-        self.fused_attention = False  # set by the "oscar" attention in eager mode (see hf_kvint2.steps)
-        self.bound = False  # set by hf_kvint2.export.bind_static_cache: update returns the chunk itself
-        self.functional = False  # writes out of place (ONNX: state as graph inputs/outputs)
-        self._ring_snapshot = None
+        self._init_fixed_shape_state()
 
     def __repr__(self):
         return (f"StaticOscarLayer(idx={self.layer_idx}, key={self.recipe.key}, value={self.recipe.value}, "

@@ -69,11 +69,7 @@ class StaticWindowLayer(FixedShapeLayerMixin, CacheLayerMixin):
             raise ValueError(f"sliding_window must be a positive int, got {sliding_window!r}.")
         self.max_cache_len, self.sliding_window, self.layer_idx = max_cache_len, sliding_window, layer_idx
         self.ring_size = min(sliding_window, max_cache_len)
-        self.cumulative_length = torch.tensor(0, dtype=torch.long)
-        self.fused_attention = False  # (the static Oscar layers' flags, set by hf_kvint2.export and "oscar")
-        self.bound = False
-        self.functional = False
-        self._ring_snapshot = None
+        self._init_fixed_shape_state()
 
     def __repr__(self):
         return (f"StaticWindowLayer(idx={self.layer_idx}, sliding_window={self.sliding_window}, "
