@@ -34,11 +34,14 @@ def parse_args(argv=None):
     p.add_argument("--text", action="append", required=False, metavar="FILE",
                    help="calibration text file (UTF-8); repeat for several")
     p.add_argument("--num-tokens", type=int, default=30000,
-                   help="tokens of text read in total (default 30000). The last --window of them are held back to "
-                        "choose layouts and fit clips; the rest feed the statistics in two passes over the model, so "
-                        "the progress bar counts 2 x statistics + held-back tokens (6144 for --num-tokens 4096 with "
-                        "--window 2048)")
+                   help="tokens of text read in total (default 30000). The last --fit-windows x --window of "
+                        "them are held back to choose layouts and fit clips; the rest feed the statistics in two "
+                        "passes over the model, so the progress bar counts 2 x statistics + held-back tokens (6144 "
+                        "for --num-tokens 4096 with --window 2048)")
     p.add_argument("--window", type=int, default=2048, help="tokens per forward window (default 2048)")
+    p.add_argument("--fit-windows", type=int, default=1,
+                   help="windows at the end of --num-tokens held back to choose layouts, group sizes and clips "
+                        "(default 1); more measure the choices on more text and leave fewer for the statistics")
     p.add_argument("--no-fit-clip", action="store_true",
                    help="keep the reference clip ratios 0.96 (keys) / 0.92 (values) instead of fitting them")
     p.add_argument("--layouts", default="spectral,hadamard,channel",
@@ -169,7 +172,7 @@ def calibrate(args) -> int:
         cache.calibration_report = result.report
     else:
         cache = OscarCache.calibrate(model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window,
-                                     verbose=False, **common)
+                                     fit_windows=args.fit_windows, verbose=False, **common)
     folder = cache.save_pretrained(args.output, repo_id=args.push_to_hub)
     if args.save_statistics:
         cache.calibration_report["data"].save(args.save_statistics)

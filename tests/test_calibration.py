@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -271,9 +272,12 @@ def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
     cli, model_dir, text = _calibration_cli(tokenizer, tmp_path)
     out = tmp_path / "artifact"
     assert cli.main(["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
-                     "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip", "--output", str(out)]) == 0
+                     "--fit-windows", "2", "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip",
+                     "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "artifact written to" in printed and str(out) in printed and "peak memory" in printed
+    recorded = json.loads((out / "config.json").read_text())["calibration"]
+    assert (recorded["window"], recorded["held_out_tokens"]) == (256, 512)  # --fit-windows 2 windows held back
     loaded = OscarCache.from_pretrained(out)
     assert loaded.settings.k_clip is not None
     assert len(loaded.calibration.k_rotations) == 2 and loaded.calibration.layout_names is not None

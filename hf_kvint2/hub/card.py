@@ -60,6 +60,7 @@ def render_card(config: dict, cls_name: str, repo_id: str | None = None, subfold
         num_layers=config.get("num_layers") or "any", num_key_value_heads=config.get("num_key_value_heads") or "any",
         head_dim=config.get("head_dim") or "any", settings=settings, calibration=bool(calib),
         calibration_data=calib.get("data", "not recorded"), calibration_tokens=calib.get("num_tokens", "not recorded"),
+        calibration_window=calib.get("window", "not recorded"),
         layer_rows=rows, quality_table=quality_markdown(config.get("quality")))
     return str(card)
 
