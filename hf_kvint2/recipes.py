@@ -77,7 +77,7 @@ class LayerRecipe:
 
 def oscar_scaled_recipe(
     *,
-    sink_tokens: int = 0,
+    sink_tokens: int = 64,
     recent_tokens: int = 128,
     group_size: int = 32,
     key_group_size: int | None = None,

@@ -152,7 +152,7 @@ class OscarScaledSettings(_Settings):
     ``value_group_size`` default to ``group_size``; ``hadamard_block`` to the largest power of two dividing
     head_dim."""
 
-    sink_tokens: int = field(default=0, metadata={"kind": "non_negative_int"})
+    sink_tokens: int = field(default=64, metadata={"kind": "non_negative_int"})
     recent_tokens: int = field(default=128, metadata={"kind": "non_negative_int"})
     group_size: int = field(default=32, metadata={"kind": "positive_int"})
     key_group_size: int | None = field(default=None, metadata={"kind": "optional_positive_int"})

@@ -75,7 +75,7 @@ def calibration_like(config, seed: int = 1):
 def make_cache(kind: str, quantize: bool, config):
     if kind == "scaled":
         window = 32 if quantize else 10_000
-        return OscarScaledCache(config, recent_tokens=window)
+        return OscarScaledCache(config, sink_tokens=0, recent_tokens=window)
     if not quantize:
         return OscarCache(config, sink_tokens=16, recent_tokens=10_000)
     per_token = (GroupLayout("token", 128, 0.96), GroupLayout("token", 128, 0.92))
@@ -178,7 +178,7 @@ def error_scenarios(model_dirs: dict[str, str]) -> dict[str, str]:
         lambda: OscarCache(model.config, tp_group=singles[dist.get_rank()]))
     # a cache told that the model is sharded over 2 ranks, used with a whole (unsharded) model
     whole = load(model_dirs["llama"], tensor_parallel=False)
-    cache = OscarScaledCache(model.config, recent_tokens=32)
+    cache = OscarScaledCache(model.config, sink_tokens=0, recent_tokens=32)
     errors["sharding_mismatch_at_use"] = message(lambda: whole(input_ids=token_ids()[:, :8], past_key_values=cache))
     return errors
 

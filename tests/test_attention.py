@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # Small windows so that a few dozen tokens already reach the INT2 body.
 CACHES = {
     "oscar": lambda: OscarCache(sink_tokens=4, recent_tokens=8, group_size=16, k_clip=0.96, v_clip=0.92),
-    "scaled": lambda: OscarScaledCache(recent_tokens=8, group_size=8),
+    "scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8),
 }
 TOL = 1e-4
 
@@ -215,7 +215,7 @@ def test_features_only_sdpa_has_run_sdpa_on_the_view(monkeypatch):
 LAYOUTS = {
     "token keys, centred": oscar_recipe(sink_tokens=0, recent_tokens=0, group_size=8,
                                         key_mean=torch.randn(2, 16), value_mean=torch.randn(2, 16)),
-    "channel keys with norms": oscar_scaled_recipe(recent_tokens=0, group_size=8),
+    "channel keys with norms": oscar_scaled_recipe(sink_tokens=0, recent_tokens=0, group_size=8),
     "channel values, normed token values": oscar_recipe(
         sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("token", 16, None, True),
         value_layout=GroupLayout("channel", 4, None, True)),
@@ -344,7 +344,7 @@ def test_smollm2_fused_matches_portable(smollm2, cache):
     model, tok = smollm2
     fused, _ = load_smollm2(torch.float32, attn_implementation=hf_kvint2.ATTN_IMPLEMENTATION)
     make = {"oscar": lambda: OscarCache(sink_tokens=8, recent_tokens=16),
-            "scaled": lambda: OscarScaledCache(recent_tokens=32)}[cache]
+            "scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=32)}[cache]
     text = importlib.resources.files("hf_kvint2.data").joinpath("emma.txt").read_text()[5000:6000]
     batch = tok([text[:400], text[400:1000]], return_tensors="pt", padding=True, padding_side="left")
     ref = _generate(model, make(), batch.input_ids, batch.attention_mask, max_new_tokens=8)

@@ -18,14 +18,14 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def full_precision_cache(kind, **kw):
-    return OscarScaledCache(recent_tokens=ALL_TOKENS, **kw) if kind == "scaled" else OscarCache(
+    return OscarScaledCache(sink_tokens=0, recent_tokens=ALL_TOKENS, **kw) if kind == "scaled" else OscarCache(
         recent_tokens=ALL_TOKENS, **kw)
 
 
 def quantized_cache(kind, **kw):
     """Small windows so that a few dozen tokens already fill the INT2 body (OScaR: blocks of 8 tokens)."""
     if kind == "scaled":
-        return OscarScaledCache(**{"recent_tokens": 8, "group_size": 8, **kw})
+        return OscarScaledCache(**{"sink_tokens": 0, "recent_tokens": 8, "group_size": 8, **kw})
     return OscarCache(**{"sink_tokens": 4, "recent_tokens": 8, **kw})
 
 
@@ -216,6 +216,27 @@ def test_seq_length_and_mask_sizes(tiny_model, kind):
     assert layer.sink_k.shape[-2] + layer.body_len + layer.recent_k.shape[-2] == 22
 
 
+def test_scaled_default_keeps_the_first_64_tokens_in_full_precision():
+    """OScaR's default sink (64 tokens, as OSCAR's): attention-sink tokens are stored exactly, the body starts after
+    them in whole key groups, and the window holds the rest."""
+    cache = OscarScaledCache()
+    assert cache.settings.sink_tokens == 64
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 300, 16, generator=g), torch.randn(2, 2, 300, 16, generator=g)
+    cache.update(k[:, :, :290], v[:, :, :290], 0)
+    for t in range(290, 300):
+        cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+    layer = cache.layers[0]
+    assert torch.equal(layer.sink_k, k[:, :, :64]) and torch.equal(layer.sink_v, v[:, :, :64])
+    assert layer.body_len > 0 and layer.body_len % 32 == 0
+    assert 64 + layer.body_len + layer.recent_k.shape[-2] == 300 and layer.recent_k.shape[-2] >= 128
+    assert torch.equal(layer.recent_k, k[:, :, 64 + layer.body_len:])
+    seen_k, seen_v = stored_kv(layer)
+    body = slice(64, 64 + layer.body_len)
+    assert not torch.equal(seen_k[:, :, body], k[:, :, body]) and not torch.equal(seen_v[:, :, body], v[:, :, body])
+    assert (seen_k[:, :, body] - k[:, :, body]).abs().max() < 2  # INT2, not garbage
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_reorder_cache(tiny_model, kind):
     """Beam search's reorder: the cache then continues exactly like one built from the reordered rows."""
@@ -390,7 +411,7 @@ def test_rotation_and_calibration_shape_errors():
     with pytest.raises(ValueError, match=r"k_clip must be a clip ratio in \(0, 1\]"):
         OscarCache(k_clip=1.5)
     with pytest.raises(ValueError, match="recent_tokens must be a non-negative int"):
-        OscarScaledCache(recent_tokens=-1)
+        OscarScaledCache(sink_tokens=0, recent_tokens=-1)
 
 
 @pytest.mark.parametrize("make,expected", [
@@ -421,8 +442,8 @@ def test_settings_dict_round_trip_and_errors():
         OscarScaledSettings.from_dict({"token_scaling": "false"})
     with pytest.raises(TypeError, match="recent_tokenz"):
         OscarScaledCache(recent_tokenz=3)
-    cache = OscarScaledCache(settings=OscarScaledSettings(group_size=16), recent_tokens=8)
-    assert cache.settings == OscarScaledSettings(group_size=16, recent_tokens=8)
+    cache = OscarScaledCache(settings=OscarScaledSettings(group_size=16), sink_tokens=0, recent_tokens=8)
+    assert cache.settings == OscarScaledSettings(group_size=16, sink_tokens=0, recent_tokens=8)
 
 
 # ---------------------------------------------------------------------------------------------- accounting
@@ -509,7 +530,7 @@ def test_bits_per_element_at_128k_tokens(kind):
     if kind == "oscar":  # sink 64 + recent 256 in bf16, 2 + 32/128 bits per element elsewhere
         formula = ((tokens - 320) * (2 + 32 / 128) + 320 * 16) / tokens
         assert 2.25 <= bits <= 2.30
-    else:  # recent 128 in bf16; body: keys 2 + 32/32 + 16/128 (norm), values 2 + 32/32
-        formula = ((tokens - 128) * (3 + 16 / 128 / 2) + 128 * 16) / tokens
+    else:  # sink 64 + recent 128 in bf16; body: keys 2 + 32/32 + 16/128 (norm), values 2 + 32/32
+        formula = ((tokens - 192) * (3 + 16 / 128 / 2) + 192 * 16) / tokens
         assert 3.0 <= bits <= 3.1
     assert bits == pytest.approx(formula, rel=1e-12)

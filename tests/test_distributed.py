@@ -191,7 +191,7 @@ def test_head_slices_cover_heads_in_rank_order():
 
 
 def test_storage_lives_on_the_kv_device_and_report_groups_by_device():
-    cache = OscarScaledCache(recent_tokens=32)
+    cache = OscarScaledCache(sink_tokens=0, recent_tokens=32)
     k = torch.randn(1, 2, 80, 32)
     cache.update(k, k.clone(), 0)
     layer = cache.layers[0]

@@ -53,7 +53,7 @@ def _mixed_cache():
 
 CACHES = {
     "oscar": lambda: OscarCache(sink_tokens=4, recent_tokens=8, group_size=16),
-    "scaled": lambda: OscarScaledCache(recent_tokens=8, group_size=8),
+    "scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8),
     "mixed": _mixed_cache,
 }
 

@@ -52,7 +52,7 @@ def chunked_kl(model, cache, tokens: int = 256, prefill: int = 128, chunk: int =
 
 CACHES = {
     "OscarScaledCache(config)": lambda cfg: OscarScaledCache(config=cfg, recent_tokens=32),
-    "OscarScaledCache()": lambda cfg: OscarScaledCache(recent_tokens=32),
+    "OscarScaledCache()": lambda cfg: OscarScaledCache(sink_tokens=0, recent_tokens=32),
     "OscarCache(config)": lambda cfg: OscarCache(config=cfg, sink_tokens=4, recent_tokens=32),
 }
 
@@ -184,6 +184,8 @@ def test_channel_grouped_keys_settle_by_relative_channel_error(keys, model_basis
     assert (layer.key_range_spread < CHANNEL_ERROR_LIMIT) == model_basis
     fresh = OscarLayer(OscarScaledCache()._recipe_for_layer(0), 0)
     fresh.lazy_initialization(k, k)
-    demoted = (k.shape[-2] - fresh.recipe.recent_tokens) // 32 * 32
-    assert relative_channel_error(fresh.key_body.codec, k[:, :, :demoted]) == pytest.approx(layer.key_range_spread)
+    sink = fresh.recipe.sink_tokens  # the first demoted keys are the ones after the sink
+    demoted = (k.shape[-2] - sink - fresh.recipe.recent_tokens) // 32 * 32
+    assert relative_channel_error(fresh.key_body.codec, k[:, :, sink:sink + demoted]) == \
+        pytest.approx(layer.key_range_spread)
     assert relative_channel_error(fresh.key_body.codec, k[:, :, :31]) is None  # less than one group: no decision

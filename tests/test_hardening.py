@@ -65,7 +65,7 @@ def calibrated_oscar(**kw):
 
 CACHES = {"oscar": lambda: OscarCache(sink_tokens=2, recent_tokens=4),
           "oscar-calibrated": calibrated_oscar,
-          "oscar-scaled": lambda: OscarScaledCache(recent_tokens=4, group_size=8)}
+          "oscar-scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=4, group_size=8)}
 
 
 # ---------------------------------------------------------------------------------------------- 1 grad mode
@@ -91,9 +91,9 @@ def test_forward_with_gradients_enabled_works_and_matches_no_grad(models, kind, 
 def test_static_cache_forward_with_gradients_enabled(models):
     oscar, _ = models
     ids = IDS[:1, :24]
-    static = StaticOscarCache.from_cache(OscarScaledCache(recent_tokens=4, group_size=4), oscar.config, 64)
+    static = StaticOscarCache.from_cache(OscarScaledCache(sink_tokens=0, recent_tokens=4, group_size=4), oscar.config, 64)
     with torch.no_grad():
-        expected = StaticOscarCache.from_cache(OscarScaledCache(recent_tokens=4, group_size=4), oscar.config, 64)
+        expected = StaticOscarCache.from_cache(OscarScaledCache(sink_tokens=0, recent_tokens=4, group_size=4), oscar.config, 64)
         expected = torch.cat([oscar(ids[:, :12], past_key_values=expected).logits]
                              + [oscar(ids[:, i:i + 1], past_key_values=expected).logits for i in range(12, 24)], 1)
     logits = torch.cat([oscar(ids[:, :12], past_key_values=static).logits]
@@ -107,7 +107,7 @@ def test_static_cache_forward_with_gradients_enabled(models):
 
 # ---------------------------------------------------------------------------------------------- 2 norm overflow
 def test_token_norm_overflow_is_refused_and_the_cache_is_unchanged():
-    cache = OscarScaledCache(recent_tokens=0, group_size=8)
+    cache = OscarScaledCache(sink_tokens=0, recent_tokens=0, group_size=8)
     ok = torch.randn(1, 2, 8, 16)
     cache.update(ok, ok, 0)
     before = cache.layers[0].memory_bytes()
@@ -118,7 +118,7 @@ def test_token_norm_overflow_is_refused_and_the_cache_is_unchanged():
     assert cache.layers[0].memory_bytes() == before and cache.get_seq_length() == 8
     k, v = cache.layers[0].dequantized_body()
     assert torch.isfinite(k).all() and torch.isfinite(v).all()
-    wide = OscarScaledCache(recent_tokens=0, group_size=8, scale_dtype=torch.bfloat16)  # the suggested fix
+    wide = OscarScaledCache(sink_tokens=0, recent_tokens=0, group_size=8, scale_dtype=torch.bfloat16)  # the suggested fix
     wide.update(big, big, 0)
     k, _ = wide.layers[0].dequantized_body()
     assert torch.isfinite(k).all() and (k - big).abs().max() < 0.1 * 30000
@@ -258,7 +258,7 @@ def test_artifact_settings_are_bounded_at_load(saved, key, value):
         OscarCache.from_pretrained(saved)
 
 
-@pytest.mark.parametrize("make", [lambda: OscarScaledCache(recent_tokens=200_000, group_size=4096),
+@pytest.mark.parametrize("make", [lambda: OscarScaledCache(sink_tokens=0, recent_tokens=200_000, group_size=4096),
                                   lambda: OscarCache(sink_tokens=2, recent_tokens=10_000, group_size=16)])
 def test_static_cache_allocation_is_bounded_by_max_cache_len(models, make):
     oscar, _ = models
@@ -296,7 +296,7 @@ def test_non_power_of_two_head_dim_names_the_fix_of_each_cache():
         OscarCache(sink_tokens=0, recent_tokens=0).update(x, x, 0)
     assert "hadamard_block" not in str(oscar.value)
     with pytest.raises(ValueError, match="hadamard_block=4"):
-        OscarScaledCache(recent_tokens=0, group_size=4).update(x, x, 0)
+        OscarScaledCache(sink_tokens=0, recent_tokens=0, group_size=4).update(x, x, 0)
 
 
 @pytest.mark.parametrize("rotation,message", [
@@ -353,7 +353,7 @@ def held_bytes(layer) -> int:
 
 
 def test_crop_inside_a_key_group_keeps_no_dequantized_copy_of_the_body():
-    cache = OscarScaledCache(recent_tokens=8, group_size=32)
+    cache = OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=32)
     x = torch.randn(1, 2, 2000, 64)
     cache.update(x, x * 0.5, 0)
     layer = cache.layers[0]

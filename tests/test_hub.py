@@ -144,7 +144,7 @@ def test_saving_a_loaded_artifact_is_byte_identical(saved, tmp_path):
 
 @pytest.mark.parametrize("make", [
     lambda: OscarCache(k_clip=0.9, v_clip=None, sink_tokens=4, recent_tokens=8),
-    lambda: OscarScaledCache(recent_tokens=8, group_size=8, hadamard_block=8, scale_dtype=torch.bfloat16),
+    lambda: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8, hadamard_block=8, scale_dtype=torch.bfloat16),
 ], ids=["hadamard-oscar", "oscar-scaled"])
 def test_data_free_round_trip(make, model, input_ids, tmp_path):
     cache = make()

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("module_single_thread")
 WINDOW = 32  # tiny_gemma3's sliding window
 ALL_TOKENS = 4096  # a recent window longer than any sequence here: quantization off
 KINDS = {
-    "scaled": lambda **kw: OscarScaledCache(**{"recent_tokens": 8, "group_size": 8, **kw}),
+    "scaled": lambda **kw: OscarScaledCache(**{"sink_tokens": 0, "recent_tokens": 8, "group_size": 8, **kw}),
     # given rotations: no key basis is settled from the data, so the static layer stores the dynamic layer's codes
     "oscar": lambda **kw: OscarCache(**{"sink_tokens": 4, "recent_tokens": 8, "k_rotations": [_H] * 4,
                                         "v_rotations": [_H] * 4, **kw}),
@@ -241,7 +241,7 @@ def test_model_generate_with_static_hybrid_cache(model, attn):
     fused read under "oscar"): with quantization off, DynamicCache's tokens."""
     ids, mask = _mode_inputs("left_padded")[1:]
     want = _generate(model, DynamicCache(config=model.config), "greedy", ids, mask, new=30)
-    static = StaticOscarCache.from_cache(OscarScaledCache(recent_tokens=ALL_TOKENS), model.config, 96)
+    static = StaticOscarCache.from_cache(OscarScaledCache(sink_tokens=0, recent_tokens=ALL_TOKENS), model.config, 96)
     got = _generate(model, static, "greedy", ids, mask, new=30)
     assert torch.equal(got, want)
     report = static.memory_report()

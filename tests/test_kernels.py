@@ -65,7 +65,7 @@ def oscar_per_layer_layouts(d: int = D):
 
 
 def oscar_scaled(d: int = D, scale_dtype=torch.float16):
-    return OscarScaledCache(recent_tokens=16, group_size=16, hadamard_block=16, scale_dtype=scale_dtype)
+    return OscarScaledCache(sink_tokens=0, recent_tokens=16, group_size=16, hadamard_block=16, scale_dtype=scale_dtype)
 
 
 def oscar_token_norms(d: int = D):

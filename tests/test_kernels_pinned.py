@@ -59,7 +59,7 @@ CACHES = {
                                 sink_tokens=4, recent_tokens=8, group_size=32),
     "oscar_layouts": lambda: OscarCache(sink_tokens=4, recent_tokens=8, layer_layouts=[
         (GroupLayout("channel", 16, None, True), GroupLayout("token", 16, 0.9))]),
-    "oscar_scaled": lambda: OscarScaledCache(recent_tokens=16, group_size=16, hadamard_block=16),
+    "oscar_scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=16, group_size=16, hadamard_block=16),
 }
 
 

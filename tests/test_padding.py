@@ -10,7 +10,7 @@ from hf_kvint2 import OscarCache, OscarScaledCache
 from hf_kvint2.padding import left_padding, position_ids_of_update
 
 CACHES = {"oscar": lambda: OscarCache(sink_tokens=4, recent_tokens=8),
-          "scaled": lambda: OscarScaledCache(recent_tokens=8, group_size=8)}
+          "scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8)}
 
 
 def generate_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -95,6 +95,6 @@ def test_generate_detects_the_padding(tiny_model, single_thread):
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
-    cache = OscarScaledCache(recent_tokens=8, group_size=8)
+    cache = OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8)
     model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=3, do_sample=False)
     assert all(layer.left_padding == 9 for layer in cache.layers)

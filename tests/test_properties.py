@@ -93,7 +93,8 @@ def make_cache(kind: str, covering: bool, scale_dtype):
     if kind == "oscar":
         return OscarCache(sink_tokens=0 if covering else 1, recent_tokens=window, group_size=8,
                           scale_dtype=scale_dtype)
-    return OscarScaledCache(recent_tokens=window, group_size=4, scale_dtype=scale_dtype)
+    return OscarScaledCache(sink_tokens=0 if covering else 1, recent_tokens=window, group_size=4,
+                            scale_dtype=scale_dtype)
 
 
 @st.composite

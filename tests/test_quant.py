@@ -187,7 +187,7 @@ def test_nonfinite_input_to_a_layer_names_the_layer(bad):
         cache.update(v, k, 1)
 
 
-@pytest.mark.parametrize("make", [lambda **kw: OscarScaledCache(recent_tokens=8, group_size=8, **kw),
+@pytest.mark.parametrize("make", [lambda **kw: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8, **kw),
                                   lambda **kw: OscarCache(sink_tokens=4, recent_tokens=8, **kw)])
 def test_fp16_scale_overflow_in_a_cache_names_the_layer_and_rejects_the_update(make):
     g = torch.Generator().manual_seed(0)
@@ -206,7 +206,7 @@ def test_fp16_scale_overflow_in_a_cache_names_the_layer_and_rejects_the_update(m
     assert torch.isfinite(values).all() and wide.get_seq_length() == 40
 
 
-@pytest.mark.parametrize("make", [lambda: OscarScaledCache(recent_tokens=16, group_size=8),
+@pytest.mark.parametrize("make", [lambda: OscarScaledCache(sink_tokens=0, recent_tokens=16, group_size=8),
                                   lambda: OscarCache(sink_tokens=4, recent_tokens=16)])
 def test_memory_held_after_prefill_and_decode_stays_near_the_data(make):
     """A prefill's full-precision chunk must not stay alive behind the recent window (a slice of it would keep

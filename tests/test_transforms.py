@@ -127,7 +127,7 @@ def test_non_power_of_two_head_dim_works_with_a_hadamard_block(d, block):
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 2, 40, d, generator=g), torch.randn(2, 2, 40, d, generator=g)
     caches = [
-        OscarScaledCache(hadamard_block=block, value_group_size=16, recent_tokens=8, group_size=8),
+        OscarScaledCache(hadamard_block=block, value_group_size=16, sink_tokens=0, recent_tokens=8, group_size=8),
         OscarCache(k_rotations=[block_hadamard_matrix(d, block)], v_rotations=[block_hadamard_matrix(d, block)],
                    sink_tokens=4, recent_tokens=8),
         OscarCache(k_rotations=[torch.eye(d)], v_rotations=[torch.eye(d)], sink_tokens=4, recent_tokens=8),

@@ -65,7 +65,7 @@ CACHES = {
     "oscar_centred": lambda: OscarCache(k_rotations=[rotation(1)], v_rotations=[rotation(2)], sink_tokens=16,
                                         recent_tokens=8, key_means=[torch.randn(HKV, D) * 0.5],
                                         value_means=[torch.randn(HKV, D) * 0.5]),
-    "oscar_scaled": lambda: OscarScaledCache(recent_tokens=16),
+    "oscar_scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=16),
     "calibrated_channel": lambda: OscarCache(sink_tokens=0, recent_tokens=8, layer_layouts=[
         (GroupLayout("channel", 32, None, True), GroupLayout("token", 32, 0.9))]),
 }
@@ -99,7 +99,7 @@ def test_decode_kernel_at_tuned_tiles_head_dim_256(name):
     block_n = _tuning()["block_n_small"]
     assert block_n < _tuning()["block_n"]
     n = 3 * block_n + 5
-    make = {"oscar_scaled": lambda: OscarScaledCache(recent_tokens=16),
+    make = {"oscar_scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=16),
             "calibrated_channel": lambda: OscarCache(sink_tokens=0, recent_tokens=8, k_rotations=[rotation(4, d)],
                                                      v_rotations=[rotation(5, d)], layer_layouts=[
                 (GroupLayout("channel", 32, None, True), GroupLayout("token", 128, 0.9))])}[name]
