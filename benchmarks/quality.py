@@ -196,6 +196,8 @@ def markdown_table(result: dict) -> str:
                  f"{proto['scored_tokens']} scored tokens per method. bits/element at {proto['bits_tokens']} tokens, "
                  "from the bytes each cache holds in the full-attention layers (full-precision windows in the model "
                  "dtype, or in 16 bits; sliding-window layers are the same full-precision window in every method).")
+    if result.get("note"):  # provenance written by hand (e.g. a row measured on an artifact before it shipped)
+        lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 
@@ -281,6 +283,8 @@ def merge_previous(result: dict, out: str, stages: set[str]) -> dict:
     result["rows"] = list(old_rows.values())
     result["runs"] = [r for r in old.get("runs", []) if (r.get("command"), r.get("started")) not in mine] + result["runs"]
     result["plain_forward_check"] = result.get("plain_forward_check") or old.get("plain_forward_check")
+    if old.get("note") and not result.get("note"):
+        result["note"] = old["note"]
     return result
 
 

@@ -213,11 +213,14 @@ def test_quick_pipeline_writes_sane_outputs(tmp_path):
     assert sum(line.startswith("| ") for line in table.splitlines()) == 1 + len(rows)
     assert "Δ vs full precision" in table
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # --update keeps earlier rows and refuses a run whose full precision differs
+    # --update keeps earlier rows and a hand-written provenance note (also in the table's footer)
+    out.with_suffix(".json").write_text(json.dumps({**result, "note": "naive row measured elsewhere"}))
     quality.main(["--quick", "--out", str(out), "--methods", "fp,naive", "--skip", "plain,agreement,passkey",
                   "--update"])
     merged = json.loads(out.with_suffix(".json").read_text())
     assert [r["key"] for r in merged["rows"]] == list(rows) and len(merged["runs"]) == 2
+    assert merged["note"] == "naive row measured elsewhere"
+    assert out.with_suffix(".md").read_text().rstrip().endswith("naive row measured elsewhere")
 
 
 @pytest.mark.slow
