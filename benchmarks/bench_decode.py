@@ -20,23 +20,19 @@ shared machine disturbs less: one thread). Ratios are against DynamicCache from 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 CONFIGS = ("dynamic", "hqq", "oscar-portable", "oscar-fused", "scaled-portable", "scaled-fused")
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed: int, threads: int,
@@ -44,66 +40,25 @@ def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed:
     import warnings
 
     import torch
-    from transformers import DynamicCache, QuantizedCache
+    from speedlib import fill_cache, load_model, make_cache, rss_mib, set_threads, time_decode_steps
 
     import hf_kvint2
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from speedlib import load_model
-
     warnings.simplefilter("ignore")  # the portable-path warning is expected here
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     torch.manual_seed(seed)
     fused = config.endswith("-fused")
     model = load_model(model_name, hf_kvint2.ATTN_IMPLEMENTATION if fused else "sdpa")
     cfg = model.config
-    rss_model = _rss_mib()
-    if config == "dynamic":
-        cache = DynamicCache(config=cfg)
-    elif config == "hqq":
-        cache = QuantizedCache(backend="hqq", config=cfg, nbits=2)
-    elif config.startswith("oscar"):
-        cache = hf_kvint2.OscarCache(config=cfg)
-    else:
-        cache = hf_kvint2.OscarScaledCache(config=cfg)
-    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    from hf_kvint2.layers import OscarLayer
-
-    oscar_layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, OscarLayer)]
-    for layer in oscar_layers:  # the fill discards update()'s return value: skip building the full view
-        layer.fused_attention = True
-    chunk = 1024
-    t0 = time.perf_counter()
-    with torch.no_grad():  # fill layer 0, then give every layer a copy of it (quantizing 30 layers takes minutes)
-        for start in range(0, context, chunk):
-            n = min(chunk, context - start)
-            cache.update(torch.randn(batch, kv_heads, n, head_dim), torch.randn(batch, kv_heads, n, head_dim), 0)
-        for idx in range(1, cfg.num_hidden_layers):
-            layer = copy.deepcopy(cache.layers[0])
-            if hasattr(layer, "layer_idx"):
-                layer.layer_idx = idx
-            if idx < len(cache.layers):
-                cache.layers[idx] = layer
-            else:
-                cache.layers.append(layer)
-    oscar_layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
-    fill_s = time.perf_counter() - t0
-    for layer in oscar_layers:  # portable configs read the full view; fused ones read the codes
-        layer.fused_attention = fused
+    rss_model = rss_mib()
+    cache = make_cache(config.split("-")[0], cfg)  # "oscar-fused" -> "oscar"
+    fill_s = fill_cache(cache, cfg, batch, context, fused, generator=torch.default_generator)
     tokens = torch.randint(0, cfg.vocab_size, (batch, 1))
-    times, cpu_times = [], []
-    with torch.no_grad():
-        for i in range(warmup + steps):
-            t, c = time.perf_counter(), time.process_time()
-            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
-            tokens = logits[:, -1:].argmax(-1)
-            if i >= warmup:
-                times.append((time.perf_counter() - t) * 1e3)
-                cpu_times.append((time.process_time() - c) * 1e3)
+    times, cpu_times = time_decode_steps(model, cache, tokens, warmup, steps)
+    times, cpu_times = [t * 1e3 for t in times], [t * 1e3 for t in cpu_times]
     return {"config": config, "batch": batch, "context": context, "ms_per_token": statistics.median(times),
             "ms_all_steps": times, "cpu_ms_per_token": statistics.median(cpu_times), "cpu_ms_all_steps": cpu_times,
-            "peak_rss_mib": _rss_mib(), "rss_after_model_load_mib": rss_model, "fill_s": fill_s,
+            "peak_rss_mib": rss_mib(), "rss_after_model_load_mib": rss_model, "fill_s": fill_s,
             "threads": torch.get_num_threads(), "model": model_name}
 
 

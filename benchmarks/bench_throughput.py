@@ -45,7 +45,7 @@ def worker(kind: str, budget: int, context: int, steps: int, warmup: int, thread
     import warnings
 
     import torch
-    from speedlib import cache_bytes, fill_cache, load_model, make_cache, rss_mib, set_threads
+    from speedlib import cache_bytes, fill_cache, load_model, make_cache, rss_mib, set_threads, time_decode_steps
 
     warnings.simplefilter("ignore")
     set_threads(threads)
@@ -63,22 +63,12 @@ def worker(kind: str, budget: int, context: int, steps: int, warmup: int, thread
     if batch < 1:
         return {**row, "tokens_per_s": 0.0, "note": "one sequence does not fit the budget"}
     cache = make_cache(kind, cfg)
-    t0 = time.perf_counter()
-    fill_cache(cache, cfg, batch, context, fused)
-    row["fill_s"] = time.perf_counter() - t0
+    row["fill_s"] = fill_cache(cache, cfg, batch, context, fused)
     row["allocated_bytes"] = cache_bytes(cache)
     if row["allocated_bytes"] > budget:
         raise RuntimeError(f"{kind}: batch {batch} holds {row['allocated_bytes']} bytes > budget {budget}")
     tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
-    times, cpu_times = [], []
-    with torch.no_grad():
-        for i in range(warmup + steps):
-            t, c = time.perf_counter(), time.process_time()
-            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
-            tokens = logits[:, -1:].argmax(-1)
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-                cpu_times.append(time.process_time() - c)
+    times, cpu_times = time_decode_steps(model, cache, tokens, warmup, steps)
     step = statistics.median(times)
     return {**row, "step_s": step, "step_s_all": times, "cpu_s_all": cpu_times, "tokens_per_s": batch / step,
             "cpu_tokens_per_s": batch / statistics.median(cpu_times), "peak_rss_mib": rss_mib(),
