@@ -22,17 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from speedlib import add_shared_options, add_step_options, run_meta, run_worker, worker_env, write_results
+
 CONFIGS = ("dynamic", "hqq", "oscar-portable", "oscar-fused", "scaled-portable", "scaled-fused")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed: int, threads: int,
@@ -104,18 +102,10 @@ def main() -> None:
                     help="cache and attention path: dynamic = DynamicCache, hqq = QuantizedCache(hqq, 2 bits), "
                          "oscar-* = OscarCache, scaled-* = OscarScaledCache; -portable with sdpa, -fused with "
                          "\"oscar\" (default: all)")
-    ap.add_argument("--steps", type=int, default=5, help="timed decode steps; the median is reported (default 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
+    add_step_options(ap, steps=5, warmup=2)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random K/V fill (default 0)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="intra-op threads (torch and Numba); 0: torch's default. On a shared machine use 1")
-    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json",
-                    help="result JSON; a PNG of the same name is written next to it (default "
-                         "benchmarks/results/decode_cpu.json)")
-    ap.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"),
-                    help="smollm2: the bundled SmolLM2-135M; synthetic: its shapes, random weights, 32k positions "
-                         "(for contexts past 8192)")
-    ap.add_argument("--worker", nargs=3, metavar=("CONFIG", "BATCH", "CONTEXT"), help=argparse.SUPPRESS)
+    add_shared_options(ap, out_name="decode_cpu.json", model_default="smollm2", threads_default=0,
+                       worker_metavar=("CONFIG", "BATCH", "CONTEXT"))
     args = ap.parse_args()
     if args.worker:
         config, batch, context = args.worker
@@ -130,15 +120,12 @@ def main() -> None:
              [(b, t) for b in args.batches for t in args.contexts])
     jobs = [(c, b, t) for b, t in cases for c in args.configs]
     results = []
+    env = worker_env(args.threads, omp=False)
+    options = {"--steps": args.steps, "--warmup": args.warmup, "--seed": args.seed, "--threads": args.threads,
+               "--model": args.model}
     for config, batch, context in tqdm(jobs, desc="decode benchmark"):
-        cmd = [sys.executable, __file__, "--worker", config, str(batch), str(context), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads),
-               "--model", args.model]
-        env = {**os.environ, **({"NUMBA_NUM_THREADS": str(args.threads)} if args.threads else {})}
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-        if proc.returncode:
-            raise RuntimeError(f"{config} batch={batch} context={context} failed:\n{proc.stderr[-3000:]}")
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = run_worker(__file__, [config, batch, context], options, env,
+                         f"{config} batch={batch} context={context}")
         results.append(row)
         tqdm.write(f"{config:16s} b={batch} ctx={context:5d}: {row['ms_per_token']:9.1f} ms/token, "
                    f"peak {row['peak_rss_mib']:7.0f} MiB")
@@ -153,20 +140,11 @@ def main() -> None:
                     and r["context"] == row["context"]), None)
         if hqq is not None:
             row["speed_vs_hqq"] = hqq["ms_per_token"] / row["ms_per_token"]
-    import torch
-
     model = {"smollm2": "SmolLM2-135M-Instruct", "synthetic": "Llama with SmolLM2-135M shapes, random weights"}
     meta = {"model": model[args.model], "dtype": "float32", "steps": args.steps, "warmup": args.warmup,
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "cache_fill": "random K/V for layer 0 in chunks of 1024 tokens, copied to every layer",
-            "load_average_at_start": load_start, "threads": args.threads or "torch default",
-            "load_average_at_end": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    png = args.out.with_suffix(".png")
-    plot(results, png)
-    print(f"wrote {args.out} and {png}")
+            "threads": args.threads or "torch default", **run_meta(load_start)}
+    write_results(args.out, meta, results, plot)
     for row in results:
         extra = "".join(f", {k} {row[k]:.2f}" for k in ("speed_vs_dynamic", "cpu_speed_vs_dynamic",
                                                           "memory_vs_dynamic", "speed_vs_hqq")
