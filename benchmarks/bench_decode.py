@@ -20,23 +20,17 @@ shared machine disturbs less: one thread). Ratios are against DynamicCache from 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
-import platform
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speedlib import add_shared_options, add_step_options, run_meta, run_worker, worker_env, write_results
+
 CONFIGS = ("dynamic", "hqq", "oscar-portable", "oscar-fused", "scaled-portable", "scaled-fused")
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed: int, threads: int,
@@ -44,66 +38,25 @@ def worker(config: str, batch: int, context: int, steps: int, warmup: int, seed:
     import warnings
 
     import torch
-    from transformers import DynamicCache, QuantizedCache
+    from speedlib import fill_cache, load_model, make_cache, rss_mib, set_threads, time_decode_steps
 
     import hf_kvint2
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from speedlib import load_model
-
     warnings.simplefilter("ignore")  # the portable-path warning is expected here
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     torch.manual_seed(seed)
     fused = config.endswith("-fused")
     model = load_model(model_name, hf_kvint2.ATTN_IMPLEMENTATION if fused else "sdpa")
     cfg = model.config
-    rss_model = _rss_mib()
-    if config == "dynamic":
-        cache = DynamicCache(config=cfg)
-    elif config == "hqq":
-        cache = QuantizedCache(backend="hqq", config=cfg, nbits=2)
-    elif config.startswith("oscar"):
-        cache = hf_kvint2.OscarCache(config=cfg)
-    else:
-        cache = hf_kvint2.OscarScaledCache(config=cfg)
-    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    from hf_kvint2.layers import OscarLayer
-
-    oscar_layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, OscarLayer)]
-    for layer in oscar_layers:  # the fill discards update()'s return value: skip building the full view
-        layer.fused_attention = True
-    chunk = 1024
-    t0 = time.perf_counter()
-    with torch.no_grad():  # fill layer 0, then give every layer a copy of it (quantizing 30 layers takes minutes)
-        for start in range(0, context, chunk):
-            n = min(chunk, context - start)
-            cache.update(torch.randn(batch, kv_heads, n, head_dim), torch.randn(batch, kv_heads, n, head_dim), 0)
-        for idx in range(1, cfg.num_hidden_layers):
-            layer = copy.deepcopy(cache.layers[0])
-            if hasattr(layer, "layer_idx"):
-                layer.layer_idx = idx
-            if idx < len(cache.layers):
-                cache.layers[idx] = layer
-            else:
-                cache.layers.append(layer)
-    oscar_layers = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
-    fill_s = time.perf_counter() - t0
-    for layer in oscar_layers:  # portable configs read the full view; fused ones read the codes
-        layer.fused_attention = fused
+    rss_model = rss_mib()
+    cache = make_cache(config.split("-")[0], cfg)  # "oscar-fused" -> "oscar"
+    fill_s = fill_cache(cache, cfg, batch, context, fused, generator=torch.default_generator)
     tokens = torch.randint(0, cfg.vocab_size, (batch, 1))
-    times, cpu_times = [], []
-    with torch.no_grad():
-        for i in range(warmup + steps):
-            t, c = time.perf_counter(), time.process_time()
-            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
-            tokens = logits[:, -1:].argmax(-1)
-            if i >= warmup:
-                times.append((time.perf_counter() - t) * 1e3)
-                cpu_times.append((time.process_time() - c) * 1e3)
+    times, cpu_times = time_decode_steps(model, cache, tokens, warmup, steps)
+    times, cpu_times = [t * 1e3 for t in times], [t * 1e3 for t in cpu_times]
     return {"config": config, "batch": batch, "context": context, "ms_per_token": statistics.median(times),
             "ms_all_steps": times, "cpu_ms_per_token": statistics.median(cpu_times), "cpu_ms_all_steps": cpu_times,
-            "peak_rss_mib": _rss_mib(), "rss_after_model_load_mib": rss_model, "fill_s": fill_s,
+            "peak_rss_mib": rss_mib(), "rss_after_model_load_mib": rss_model, "fill_s": fill_s,
             "threads": torch.get_num_threads(), "model": model_name}
 
 
@@ -149,18 +102,10 @@ def main() -> None:
                     help="cache and attention path: dynamic = DynamicCache, hqq = QuantizedCache(hqq, 2 bits), "
                          "oscar-* = OscarCache, scaled-* = OscarScaledCache; -portable with sdpa, -fused with "
                          "\"oscar\" (default: all)")
-    ap.add_argument("--steps", type=int, default=5, help="timed decode steps; the median is reported (default 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps before them (default 2)")
+    add_step_options(ap, steps=5, warmup=2)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random K/V fill (default 0)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="intra-op threads (torch and Numba); 0: torch's default. On a shared machine use 1")
-    ap.add_argument("--out", type=Path, default=RESULTS / "decode_cpu.json",
-                    help="result JSON; a PNG of the same name is written next to it (default "
-                         "benchmarks/results/decode_cpu.json)")
-    ap.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"),
-                    help="smollm2: the bundled SmolLM2-135M; synthetic: its shapes, random weights, 32k positions "
-                         "(for contexts past 8192)")
-    ap.add_argument("--worker", nargs=3, metavar=("CONFIG", "BATCH", "CONTEXT"), help=argparse.SUPPRESS)
+    add_shared_options(ap, out_name="decode_cpu.json", model_default="smollm2", threads_default=0,
+                       worker_metavar=("CONFIG", "BATCH", "CONTEXT"))
     args = ap.parse_args()
     if args.worker:
         config, batch, context = args.worker
@@ -175,15 +120,12 @@ def main() -> None:
              [(b, t) for b in args.batches for t in args.contexts])
     jobs = [(c, b, t) for b, t in cases for c in args.configs]
     results = []
+    env = worker_env(args.threads, omp=False)
+    options = {"--steps": args.steps, "--warmup": args.warmup, "--seed": args.seed, "--threads": args.threads,
+               "--model": args.model}
     for config, batch, context in tqdm(jobs, desc="decode benchmark"):
-        cmd = [sys.executable, __file__, "--worker", config, str(batch), str(context), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--seed", str(args.seed), "--threads", str(args.threads),
-               "--model", args.model]
-        env = {**os.environ, **({"NUMBA_NUM_THREADS": str(args.threads)} if args.threads else {})}
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-        if proc.returncode:
-            raise RuntimeError(f"{config} batch={batch} context={context} failed:\n{proc.stderr[-3000:]}")
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = run_worker(__file__, [config, batch, context], options, env,
+                         f"{config} batch={batch} context={context}")
         results.append(row)
         tqdm.write(f"{config:16s} b={batch} ctx={context:5d}: {row['ms_per_token']:9.1f} ms/token, "
                    f"peak {row['peak_rss_mib']:7.0f} MiB")
@@ -198,20 +140,11 @@ def main() -> None:
                     and r["context"] == row["context"]), None)
         if hqq is not None:
             row["speed_vs_hqq"] = hqq["ms_per_token"] / row["ms_per_token"]
-    import torch
-
     model = {"smollm2": "SmolLM2-135M-Instruct", "synthetic": "Llama with SmolLM2-135M shapes, random weights"}
     meta = {"model": model[args.model], "dtype": "float32", "steps": args.steps, "warmup": args.warmup,
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "cache_fill": "random K/V for layer 0 in chunks of 1024 tokens, copied to every layer",
-            "load_average_at_start": load_start, "threads": args.threads or "torch default",
-            "load_average_at_end": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    png = args.out.with_suffix(".png")
-    plot(results, png)
-    print(f"wrote {args.out} and {png}")
+            "threads": args.threads or "torch default", **run_meta(load_start)}
+    write_results(args.out, meta, results, plot)
     for row in results:
         extra = "".join(f", {k} {row[k]:.2f}" for k in ("speed_vs_dynamic", "cpu_speed_vs_dynamic",
                                                           "memory_vs_dynamic", "speed_vs_hqq")

@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from speedlib import add_shared_options, run_meta, run_worker, worker_env, write_results
+
 CACHES = ("dynamic", "oscar", "scaled")
 LABELS = {"dynamic": "DynamicCache", "oscar": "OscarCache", "scaled": "OscarScaledCache"}
 
@@ -83,13 +82,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="prompt lengths (default 2048 8192)")
     ap.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES,
                     help="dynamic (DynamicCache, sdpa), oscar, scaled (attention \"oscar\"; default: all)")
-    ap.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"),
-                    help="smollm2: the bundled SmolLM2-135M (default); synthetic: its shapes, random weights")
     ap.add_argument("--repeats", type=int, default=1, help="timed forwards per case, median reported (default 1)")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads, torch and Numba (default 1)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "prefill_cpu.json",
-                    help="result JSON; a PNG of the same name next to it (default results/prefill_cpu.json)")
-    ap.add_argument("--worker", nargs=2, metavar=("CACHE", "TOKENS"), help=argparse.SUPPRESS)
+    add_shared_options(ap, out_name="prefill_cpu.json", model_default="smollm2", threads_default=1,
+                       worker_metavar=("CACHE", "TOKENS"))
     args = ap.parse_args()
     if args.worker:
         kind, tokens = args.worker
@@ -99,33 +94,21 @@ def main() -> None:
     from tqdm import tqdm
 
     load = os.getloadavg()[0]
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
+    env = worker_env(args.threads, omp=True)
+    options = {"--repeats": args.repeats, "--threads": args.threads, "--model": args.model}
     results = []
     for tokens in args.tokens:
         for kind in tqdm(args.caches, desc=f"prefill {tokens}"):
-            cmd = [sys.executable, __file__, "--worker", kind, str(tokens), "--repeats", str(args.repeats),
-                   "--threads", str(args.threads), "--model", args.model]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-            if proc.returncode:
-                raise RuntimeError(f"{kind} tokens={tokens} failed:\n{proc.stderr[-3000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row = run_worker(__file__, [kind, tokens], options, env, f"{kind} tokens={tokens}")
             results.append(row)
             tqdm.write(f"{kind:8s} {tokens:5d} tokens: {row['wall_s']:.2f} s wall, {row['cpu_s']:.2f} s CPU")
     for row in results:
         base = next(r for r in results if r["cache"] == "dynamic" and r["tokens"] == row["tokens"])
         row["wall_vs_dynamic"] = row["wall_s"] / base["wall_s"]
         row["cpu_vs_dynamic"] = row["cpu_s"] / base["cpu_s"]
-    import torch
-
     meta = {"model": args.model, "dtype": "float32", "batch": 1, "threads": args.threads, "repeats": args.repeats,
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_average_at_start": load,
-            "load_average_at_end": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    png = args.out.with_suffix(".png")
-    plot(results, png)
-    print(f"wrote {args.out} and {png}")
+            **run_meta(load)}
+    write_results(args.out, meta, results, plot)
     for r in results:
         print(f"{LABELS[r['cache']]:18s} {r['tokens']:5d} tokens: {r['cpu_s']:6.2f} s CPU ({r['cpu_vs_dynamic']:.2f}x "
               f"DynamicCache), {r['wall_s']:6.2f} s wall ({r['wall_vs_dynamic']:.2f}x)")

@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
-CACHES = ("dynamic", "hqq", "oscar", "scaled")  # as speedlib.CACHES (imported lazily: --help stays fast)
+from speedlib import CACHES, add_shared_options, add_step_options, run_meta, run_worker, worker_env, write_results
+
 # The headline: tokens per second of the process's CPU time (one thread), which a shared machine disturbs far less
 # than wall time; both are in the JSON.
 METRIC = "cpu_tokens_per_s"
@@ -45,7 +42,7 @@ def worker(kind: str, budget: int, context: int, steps: int, warmup: int, thread
     import warnings
 
     import torch
-    from speedlib import cache_bytes, fill_cache, load_model, make_cache, rss_mib, set_threads
+    from speedlib import cache_bytes, fill_cache, load_model, make_cache, rss_mib, set_threads, time_decode_steps
 
     warnings.simplefilter("ignore")
     set_threads(threads)
@@ -63,22 +60,12 @@ def worker(kind: str, budget: int, context: int, steps: int, warmup: int, thread
     if batch < 1:
         return {**row, "tokens_per_s": 0.0, "note": "one sequence does not fit the budget"}
     cache = make_cache(kind, cfg)
-    t0 = time.perf_counter()
-    fill_cache(cache, cfg, batch, context, fused)
-    row["fill_s"] = time.perf_counter() - t0
+    row["fill_s"] = fill_cache(cache, cfg, batch, context, fused)
     row["allocated_bytes"] = cache_bytes(cache)
     if row["allocated_bytes"] > budget:
         raise RuntimeError(f"{kind}: batch {batch} holds {row['allocated_bytes']} bytes > budget {budget}")
     tokens = torch.randint(0, cfg.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
-    times, cpu_times = [], []
-    with torch.no_grad():
-        for i in range(warmup + steps):
-            t, c = time.perf_counter(), time.process_time()
-            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
-            tokens = logits[:, -1:].argmax(-1)
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-                cpu_times.append(time.process_time() - c)
+    times, cpu_times = time_decode_steps(model, cache, tokens, warmup, steps)
     step = statistics.median(times)
     return {**row, "step_s": step, "step_s_all": times, "cpu_s_all": cpu_times, "tokens_per_s": batch / step,
             "cpu_tokens_per_s": batch / statistics.median(cpu_times), "peak_rss_mib": rss_mib(),
@@ -116,14 +103,9 @@ def main() -> None:
     ap.add_argument("--caches", nargs="+", default=["dynamic", "oscar", "scaled", "hqq"], choices=CACHES,
                     help="caches compared: dynamic, hqq (QuantizedCache, 2 bits; needs pip install hqq), oscar, "
                          "scaled (default: all, hqq last)")
-    ap.add_argument("--model", default="synthetic", choices=("synthetic", "smollm2"),
-                    help="synthetic: SmolLM2-135M's shapes with random weights (default); smollm2: the bundled one")
-    ap.add_argument("--steps", type=int, default=2, help="timed decode steps, median reported (default 2)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed decode steps first (default 1)")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads, torch and Numba (default 1)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "throughput_cpu.json",
-                    help="result JSON; a PNG of the same name next to it (default results/throughput_cpu.json)")
-    ap.add_argument("--worker", nargs=2, metavar=("CACHE", "BUDGET"), help=argparse.SUPPRESS)
+    add_step_options(ap, steps=2, warmup=1)
+    add_shared_options(ap, out_name="throughput_cpu.json", model_default="synthetic", threads_default=1,
+                       worker_metavar=("CACHE", "BUDGET"))
     args = ap.parse_args()
     if args.worker:
         kind, budget = args.worker
@@ -135,15 +117,11 @@ def main() -> None:
     load = os.getloadavg()[0]
     jobs = [(c, int(b * 2**30)) for b in args.budgets_gib for c in args.caches]
     results = []
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
+    env = worker_env(args.threads, omp=True)
+    options = {"--context": args.context, "--steps": args.steps, "--warmup": args.warmup, "--threads": args.threads,
+               "--model": args.model}
     for kind, budget in tqdm(jobs, desc="throughput benchmark"):
-        cmd = [sys.executable, __file__, "--worker", kind, str(budget), "--context", str(args.context),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--model", args.model]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-        if proc.returncode:
-            raise RuntimeError(f"{kind} budget={budget} failed:\n{proc.stderr[-3000:]}")
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = run_worker(__file__, [kind, budget], options, env, f"{kind} budget={budget}")
         results.append(row)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".partial.json").write_text(json.dumps(results, indent=1))  # kept if a later case fails
@@ -157,21 +135,12 @@ def main() -> None:
             row["batch_vs_dynamic"] = row["batch"] / base["batch"]
             if "cpu_tokens_per_s" in row and "cpu_tokens_per_s" in base:
                 row["cpu_throughput_vs_dynamic"] = row["cpu_tokens_per_s"] / base["cpu_tokens_per_s"]
-    import torch
-
     meta = {"model": f"{args.model} (SmolLM2-135M shapes), fp32", "context": args.context, "steps": args.steps,
-            "warmup": args.warmup, "threads": args.threads, "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_average_at_start": load,
-            "load_average_at_end": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "warmup": args.warmup, "threads": args.threads, **run_meta(load),
             "cache_fill": "random K/V by update() for layer 0 in chunks of 1024, copied to every layer",
             "memory": "bytes of every tensor storage the cache object holds (whole allocations, each once)"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    write_results(args.out, meta, results, plot)
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
-    png = args.out.with_suffix(".png")
-    plot(results, png)
-    print(f"wrote {args.out} and {png}")
     for r in results:
         print(f"{LABELS[r['cache']]:26s} {r['budget_bytes'] / 2**30:g} GiB: batch {r['batch']:3d}, "
               f"{r['cpu_tokens_per_s']:7.2f} tokens/CPU-s ({r.get('cpu_throughput_vs_dynamic', float('nan')):.2f}x "

@@ -1,4 +1,4 @@
-"""Helpers shared by the CPU speed benchmarks (bench_decode, bench_throughput, bench_prefill, bench_jit).
+"""Helpers shared by the CPU speed benchmarks (bench_decode, bench_throughput, bench_prefill, profile_decode).
 
 * :func:`load_model`: the bundled SmolLM2-135M, or ``"synthetic"``: a Llama with SmolLM2-135M's shapes (30 layers,
   hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152) and random weights, with
@@ -7,21 +7,37 @@
   every layer), which is what decode speed depends on; a real 8k x batch prefill takes many minutes on 2 cores.
 * :func:`cache_bytes`: bytes of every tensor a cache holds (storages counted once, whole allocations), found by
   walking the cache object: the same measure for every cache class, including transformers' own.
+* :func:`add_shared_options`, :func:`add_step_options`: the command-line options the benchmarks share, spelled and
+  documented the same way in each.
+* :func:`worker_env`, :func:`run_worker`: one case per fresh subprocess (its peak RSS and thread settings are its own).
+* :func:`time_decode_steps`: the timed decode loop (wall and process CPU time per step).
+* :func:`run_meta`, :func:`write_results`: what every result JSON records about the run, and writing JSON + PNG.
+
+torch is imported inside the functions, so that a script importing this module still prints ``--help`` at once.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import os
+import platform
 import resource
-
-import torch
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 CACHES = ("dynamic", "hqq", "oscar", "scaled")
+MODELS = ("smollm2", "synthetic")
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def set_threads(threads: int) -> None:
     """One intra-op thread count for torch and the Numba kernel (NUMBA_NUM_THREADS must be set before import)."""
+    import torch
+
     if threads:
         torch.set_num_threads(threads)
         os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
@@ -32,6 +48,8 @@ def rss_mib() -> float:
 
 
 def load_model(name: str, attn_implementation: str):
+    import torch
+
     if name == "smollm2":
         from hf_kvint2.models import load_smollm2
 
@@ -69,22 +87,30 @@ def make_cache(kind: str, config):
     raise ValueError(f"unknown cache {kind!r}: use one of {CACHES}")
 
 
-def fill_cache(cache, config, batch: int, context: int, fused: bool, chunk: int = 1024, seed: int = 0) -> None:
-    """Random K/V for ``context`` tokens: layer 0 by ``update`` in chunks, then a copy of it in every layer."""
+def fill_cache(cache, config, batch: int, context: int, fused: bool, chunk: int = 1024, seed: int = 0,
+               generator=None) -> float:
+    """Random K/V for ``context`` tokens: layer 0 by ``update`` in chunks, then a copy of it in every layer.
+
+    The values come from ``generator`` if given (bench_decode draws from torch's global one, seeded before the model
+    load), else from a fresh one seeded with ``seed``. Returns the seconds the updates and copies took (``fill_s``).
+    """
+    import torch
+
     from hf_kvint2.layers import OscarLayer
 
-    g = torch.Generator().manual_seed(seed)
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for layer in getattr(cache, "layers", []):
         if isinstance(layer, OscarLayer):  # the fill discards update()'s return value: skip building the full view
             layer.fused_attention = True
+    t0 = time.perf_counter()
     with torch.no_grad():
         for start in range(0, context, chunk):
             n = min(chunk, context - start)
             cache.update(torch.randn(batch, kv_heads, n, head_dim, generator=g),
                          torch.randn(batch, kv_heads, n, head_dim, generator=g), 0)
-        for idx in range(1, config.num_hidden_layers):
+        for idx in range(1, config.num_hidden_layers):  # quantizing every layer would take minutes
             layer = copy.deepcopy(cache.layers[0])
             if hasattr(layer, "layer_idx"):
                 layer.layer_idx = idx
@@ -92,13 +118,17 @@ def fill_cache(cache, config, batch: int, context: int, fused: bool, chunk: int 
                 cache.layers[idx] = layer
             else:
                 cache.layers.append(layer)
-    for layer in cache.layers:
+    seconds = time.perf_counter() - t0
+    for layer in cache.layers:  # portable configurations read the full view; fused ones read the codes
         if isinstance(layer, OscarLayer):
             layer.fused_attention = fused
+    return seconds
 
 
 def cache_bytes(cache) -> int:
     """Bytes of all tensor storages reachable from ``cache`` (each storage once, its whole allocation)."""
+    import torch
+
     seen_storage, seen_obj, total = set(), set(), 0
     stack = [cache]
     while stack:
@@ -122,3 +152,85 @@ def cache_bytes(cache) -> int:
         elif hasattr(obj, "__slots__"):
             stack.extend(getattr(obj, s) for s in obj.__slots__ if hasattr(obj, s))
     return total
+
+
+def time_decode_steps(model, cache, tokens, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """Greedy decode steps from ``tokens``: ``warmup`` untimed (the first compiles the Numba kernel), then ``steps``
+    timed ones. Returns the wall and the process CPU seconds of each timed step (CPU time is what a shared machine
+    disturbs less, with one thread)."""
+    import torch
+
+    times, cpu_times = [], []
+    with torch.no_grad():
+        for i in range(warmup + steps):
+            t, c = time.perf_counter(), time.process_time()
+            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True).logits
+            tokens = logits[:, -1:].argmax(-1)
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+                cpu_times.append(time.process_time() - c)
+    return times, cpu_times
+
+
+def add_shared_options(ap: argparse.ArgumentParser, *, out_name: str, model_default: str, threads_default: int,
+                       worker_metavar: tuple[str, ...]) -> None:
+    """``--model``, ``--threads``, ``--out`` (under benchmarks/results by default) and the hidden ``--worker`` by which
+    the parent hands one case to a subprocess: the same names, choices and help in every speed benchmark."""
+    ap.add_argument("--model", default=model_default, choices=MODELS,
+                    help="smollm2: the bundled SmolLM2-135M; synthetic: a Llama with its shapes, random weights and "
+                         f"32k positions, for contexts past 8192 (default {model_default})")
+    ap.add_argument("--threads", type=int, default=threads_default,
+                    help="intra-op threads, torch and Numba; 0: torch's default; on a shared machine use 1 "
+                         f"(default {threads_default})")
+    ap.add_argument("--out", type=Path, default=RESULTS / out_name,
+                    help=f"result JSON; a PNG of the same name next to it (default results/{out_name})")
+    ap.add_argument("--worker", nargs=len(worker_metavar), metavar=worker_metavar, help=argparse.SUPPRESS)
+
+
+def add_step_options(ap: argparse.ArgumentParser, *, steps: int, warmup: int) -> None:
+    """``--steps`` and ``--warmup`` of the decode benchmarks (see :func:`time_decode_steps`)."""
+    ap.add_argument("--steps", type=int, default=steps, help=f"timed decode steps; the median is reported "
+                                                             f"(default {steps})")
+    ap.add_argument("--warmup", type=int, default=warmup, help=f"untimed decode steps before them (default {warmup})")
+
+
+def worker_env(threads: int, *, omp: bool) -> dict[str, str]:
+    """The environment of a case's subprocess. Numba reads NUMBA_NUM_THREADS only when it is imported, so the count
+    must be set before the worker starts (torch's is set inside it by :func:`set_threads`); with ``omp``,
+    OMP_NUM_THREADS too. ``threads`` 0 leaves both at their defaults."""
+    if not threads:
+        return dict(os.environ)
+    return {**os.environ, "NUMBA_NUM_THREADS": str(threads), **({"OMP_NUM_THREADS": str(threads)} if omp else {})}
+
+
+def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str], label: str) -> dict:
+    """Run one case as ``script --worker ARGS OPTION VALUE ...`` in a fresh interpreter (so that its peak RSS, its
+    compiled kernels and its thread pools are its own) and return the JSON row it prints last; on failure raise
+    with ``label`` and the end of its stderr."""
+    cmd = [sys.executable, script, "--worker", *map(str, worker_args)]
+    for name, value in options.items():
+        cmd += [name, str(value)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_meta(load_average_at_start: float) -> dict:
+    """The run's context every result JSON records: machine, torch version, the command, the date, and the load
+    average at start and at end (on a shared machine it says how far the timings can be trusted)."""
+    import torch
+
+    return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "load_average_at_start": load_average_at_start, "load_average_at_end": os.getloadavg()[0],
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def write_results(out: Path, meta: dict, results: list[dict], plot) -> None:
+    """``{"meta", "results"}`` to ``out`` and ``plot(results, png)`` to the PNG of the same name next to it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    png = out.with_suffix(".png")
+    plot(results, png)
+    print(f"wrote {out} and {png}")
