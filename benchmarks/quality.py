@@ -190,12 +190,23 @@ def markdown_table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     proto = result["protocol"]
     lines.append("")
-    sampled = f"every {proto['score_every']}th predicted token scored, " if proto.get("score_every", 1) > 1 else ""
-    lines.append(f"{result['model']} ({proto['dtype']}), {proto['text']}: {proto['windows']} windows of "
-                 f"{proto['window']} tokens, prefill {proto['prefill']}, chunks of {proto['chunk']}, {sampled}"
-                 f"{proto['scored_tokens']} scored tokens per method. bits/element at {proto['bits_tokens']} tokens, "
-                 "from the bytes each cache holds in the full-attention layers (full-precision windows in the model "
-                 "dtype, or in 16 bits; sliding-window layers are the same full-precision window in every method).")
+    rows = result["rows"]
+    if any(r.get("perplexity") is not None for r in rows):  # the footer says only what this file measured
+        sampled = f"every {proto['score_every']}th predicted token scored, " if proto.get("score_every", 1) > 1 else ""
+        lines.append(f"{result['model']} ({proto['dtype']}), {proto['text']}: {proto['windows']} windows of "
+                     f"{proto['window']} tokens, prefill {proto['prefill']}, chunks of {proto['chunk']}, {sampled}"
+                     f"{proto['scored_tokens']} scored tokens per method.")
+    if any(r.get("bits_per_element") is not None for r in rows):
+        lines.append(f"bits/element at {proto['bits_tokens']} tokens, from the bytes each cache holds in the "
+                     "full-attention layers (full-precision windows in the model dtype, or in 16 bits; sliding-window "
+                     "layers are the same full-precision window in every method).")
+    if any(r.get("passkey") for r in rows):
+        depths = ", ".join(f"{d:g}" for d in proto["passkey_depths"])
+        lines.append(f"{result['model']} ({proto['dtype']}): passkey retrieval at depths {depths} of each length, "
+                     f"haystack {proto['passkey_haystack']}.")
+    if any(r.get("agreement") for r in rows):
+        lines.append(f"Greedy agreement: the first {proto['agreement_tokens']} greedy tokens of "
+                     f"{proto['agreement_prompts']} prompts against full precision.")
     if result.get("note"):  # provenance written by hand (e.g. a row measured on an artifact before it shipped)
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
