@@ -39,7 +39,7 @@ def parse_args(argv=None):
                         "passes over the model, so the progress bar counts 2 x statistics + held-back tokens (6144 "
                         "for --num-tokens 4096 with --window 2048)")
     p.add_argument("--window", type=int, default=2048, help="tokens per forward window (default 2048)")
-    p.add_argument("--fit-windows", type=int, default=1,
+    p.add_argument("--fit-windows", type=int, default=None,
                    help="windows at the end of --num-tokens held back to choose layouts, group sizes and clips "
                         "(default 1); more measure the choices on more text and leave fewer for the statistics")
     p.add_argument("--no-fit-clip", action="store_true",
@@ -63,8 +63,8 @@ def parse_args(argv=None):
                    help="group size without allocation and of layers not calibrated (default 128)")
     p.add_argument("--from-statistics", metavar="FILE", default=None,
                    help="fit from the statistics of an earlier --save-statistics run instead of running the model "
-                        "over the text (seconds instead of minutes; --text, --num-tokens and --window are then "
-                        "those of that run, and --sink-tokens / --recent-tokens must be too)")
+                        "over the text (seconds instead of minutes; --text, --num-tokens, --window and --fit-windows "
+                        "are then those of that run, and --sink-tokens / --recent-tokens must be too)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: robust on shared machines; 0 = torch's default)")
     p.add_argument("--output", required=True, help="folder to write the artifact to")
@@ -167,12 +167,16 @@ def calibrate(args) -> int:
             sys.exit(f"--from-statistics {args.from_statistics}: its tokens are not the first "
                      f"{data.info['num_tokens']} tokens of --text {' '.join(args.text)}: give the text (and model) "
                      "the statistics were collected on.")
+        if args.fit_windows is not None and args.fit_windows != len(data.held_out):
+            sys.exit(f"--from-statistics {args.from_statistics} holds {len(data.held_out)} held-back window(s), not "
+                     f"--fit-windows {args.fit_windows}: drop --fit-windows, or save statistics with it.")
         result = fit_from_statistics(data, model.config, **common)
         cache = OscarCache(model.config, settings=result.settings, calibration=result.calibration)
         cache.calibration_report = result.report
     else:
         cache = OscarCache.calibrate(model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window,
-                                     fit_windows=args.fit_windows, verbose=False, **common)
+                                     fit_windows=1 if args.fit_windows is None else args.fit_windows,
+                                     verbose=False, **common)
     folder = cache.save_pretrained(args.output, repo_id=args.push_to_hub)
     if args.save_statistics:
         cache.calibration_report["data"].save(args.save_statistics)

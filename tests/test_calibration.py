@@ -495,7 +495,8 @@ def test_calibrate_with_bits_budget_records_the_group_sizes(tokenizer, tmp_path)
 
 def test_cli_refits_from_saved_statistics(tokenizer, tmp_path, capsys):
     """--from-statistics fits the same artifact as the run that saved the statistics (no model run), checks that
-    the text is the one the statistics were collected on, and refuses a bad --bits-budget."""
+    the text is the one the statistics were collected on, refuses a --fit-windows the statistics do not have and a
+    bad --bits-budget."""
     cli, model_dir, text = _calibration_cli(tokenizer, tmp_path)
     common = ["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
               "--sink-tokens", "8", "--recent-tokens", "32", "--no-fit-clip", "--group-sizes", "8,16,32",
@@ -512,6 +513,8 @@ def test_cli_refits_from_saved_statistics(tokenizer, tmp_path, capsys):
     bad_text[bad_text.index(str(text))] = str(other)
     with pytest.raises(SystemExit, match="are not the first 800 tokens"):
         cli.main(bad_text)
+    with pytest.raises(SystemExit, match="holds 1 held-back window.*not --fit-windows 2"):  # not silently ignored
+        cli.main([*common, "--output", str(tmp_path / "e"), "--from-statistics", str(stats), "--fit-windows", "2"])
     with pytest.raises(SystemExit, match="--bits-budget 'lots'"):
         cli.main([*common[:-1], "lots", "--output", str(tmp_path / "d")])
 
