@@ -131,7 +131,7 @@ def standard_methods(config, calibrated: Callable[[object], OscarCache] | None =
         CacheMethod("fp", "full precision", lambda cfg: DynamicCache(config=cfg), True, "DynamicCache"),
         CacheMethod("oscar_scaled", "OScaR (OscarScaledCache)", lambda cfg: OscarScaledCache(config=cfg), True,
                     "OscarScaledCache() defaults: Hadamard, key token scaling, K per channel/32 tokens, V per token/32,"
-                    " residual 128"),
+                    " sink 64, residual 128 (keys that keep the model basis drop the Hadamard and the token norm)"),
     ]
     if calibrated is not None:
         methods += [

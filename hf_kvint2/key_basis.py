@@ -12,12 +12,16 @@ Without the queries at hand (data-free), the first tokens a layer quantizes deci
 
 * channel-grouped keys (OScaR): both candidate encodings are tried on those tokens, and the model's basis is kept
   when it preserves every channel's own variation far better (:func:`relative_channel_error` under
-  :data:`CHANNEL_ERROR_LIMIT`). The error is counted per channel in units of that channel's variance over the
-  tokens, since the queries may read any channel: a sum of squared errors would be rotation-invariant and cannot
-  tell the bases apart. Measured on the first 32-384 demoted keys: Gemma 3 full-attention layers 0.018-0.042,
-  SmolLM2 0.155-0.88 (benchmarks/oscar_scaled_errors.py, issue 15: the older range spread left Gemma's layer 17,
-  spread 1.96, in the Hadamard basis, at 9x the key error of its model basis, while SmolLM2's layer 18, spread
-  2.2-2.3, is better off rotated);
+  :data:`CHANNEL_ERROR_LIMIT`), then without OScaR's omni-token scaling (measured on Gemma 3's full-attention
+  layers, the keys this applies to: perplexity +2.5% without it, +4.9% with it, at 2k; in that basis a key's norm
+  is mostly its few high-range channels', and dividing every channel by it presumably adds their fluctuation to
+  the low-range channels the queries read; docs/results.md, "OScaR's token scaling in the model basis"). The error
+  is counted per channel in units of that channel's variance over the tokens, since the queries may read any
+  channel: a sum of squared errors would be rotation-invariant and cannot tell the bases apart. Measured on the
+  first 32-384 demoted keys: Gemma 3 full-attention layers 0.018-0.042, SmolLM2 0.155-0.88
+  (benchmarks/oscar_scaled_errors.py, issue 15: the older range spread left Gemma's layer 17, spread 1.96, in the
+  Hadamard basis, at 9x the key error of its model basis, while SmolLM2's layer 18, spread 2.2-2.3, is better off
+  rotated);
 * per-token keys (uncalibrated OSCAR): the spread of the per-channel ranges (:func:`range_spread` over
   :data:`RANGE_SPREAD_LIMIT`) switches them to per-channel groups in the model's basis.
 
@@ -98,8 +102,9 @@ def settled_key_codec(codec: StreamCodec, keys: torch.Tensor) -> tuple[StreamCod
     """The codec an uncalibrated key stream (``codec.rotation`` is the data-free Hadamard) keeps, decided from its
     first original-space keys [B, H, n, D], and the spread that decided.
 
-    * Per-channel groups (OScaR): the same layout in the model's basis (identity rotation) if its relative
-      per-channel error is under :data:`CHANNEL_ERROR_LIMIT` times the rotation's (returned instead of a spread).
+    * Per-channel groups (OScaR): the same groups in the model's basis (identity rotation), without token
+      scaling, if its relative per-channel error is under :data:`CHANNEL_ERROR_LIMIT` times the rotation's
+      (returned instead of a spread; both measured with the codec's own token scaling).
     * Per-token groups (uncalibrated OSCAR): per-channel groups of as many tokens as the per-token group has
       channels (same scale bytes), in the model's basis, without a mean, if the spread exceeds the limit.
 
@@ -107,8 +112,8 @@ def settled_key_codec(codec: StreamCodec, keys: torch.Tensor) -> tuple[StreamCod
     eye = torch.eye(codec.rotation.shape[0], dtype=codec.rotation.dtype, device=codec.rotation.device)
     if codec.layout.axis == "channel":
         ratio = relative_channel_error(codec, keys)
-        if ratio is not None and ratio < CHANNEL_ERROR_LIMIT:
-            return replace(codec, rotation=eye), ratio
+        if ratio is not None and ratio < CHANNEL_ERROR_LIMIT:  # the model's basis, without the token norm
+            return replace(codec, rotation=eye, layout=replace(codec.layout, token_scaling=False)), ratio
         return codec, ratio
     spread = range_spread(keys, codec.group, codec.shard)
     if spread is not None and spread > RANGE_SPREAD_LIMIT:

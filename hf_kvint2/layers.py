@@ -218,7 +218,8 @@ class OscarLayer(CacheLayerMixin):
         if codec is self.key_body.codec:
             return
         self.key_body = QuantizedStream(codec)
-        if codec.layout != self.recipe.key:  # per-token -> per-channel groups: the demotion block follows
+        # per-token -> per-channel groups (the demotion block follows), or channel groups without token scaling
+        if codec.layout != self.recipe.key:
             self.key_basis_open = False
             self._unsettled_recipe = self.recipe
             self.recipe = self.recipe.with_overrides(key=codec.layout, key_rotation=codec.rotation)
