@@ -44,7 +44,7 @@ def variant_factory(name: str, head_dim: int):
     from hf_kvint2 import OscarScaledCache
     from hf_kvint2.cache import OscarCacheBase
     from hf_kvint2.evaluation import engine_cache, kivi2_recipe
-    from hf_kvint2.recipes import GroupLayout, oscar_scaled_recipe
+    from hf_kvint2.recipes import oscar_scaled_recipe
 
     eye = torch.eye(head_dim)
     scaled = oscar_scaled_recipe()
@@ -53,7 +53,7 @@ def variant_factory(name: str, head_dim: int):
         return replace(scaled, key_rotation=eye, key=replace(scaled.key, token_scaling=token_scaling))
 
     kivi = kivi2_recipe(head_dim)
-    kivi_ts = replace(kivi, key=GroupLayout("channel", 32, None, True))
+    kivi_ts = replace(kivi, key=replace(kivi.key, token_scaling=True))
     fixed = {
         "fp": lambda c: DynamicCache(config=c),
         "oscar_scaled": lambda c: OscarScaledCache(config=c),
@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     import torch
 
     from hf_kvint2.evaluation import EVAL_TEXT, CacheMethod, chunked_perplexity, encode, eval_windows, load_text
+    from hf_kvint2.model_config import model_shape
     from hf_kvint2.models import load_gemma3, load_smollm2
 
     torch.set_num_threads(args.threads)
@@ -94,17 +95,17 @@ def main(argv=None) -> int:
         raise SystemExit("--variants must start with 'fp' (the baseline).")
     model, tokenizer = (load_gemma3 if args.model == "gemma3" else load_smollm2)(torch.float32,
                                                                                  attn_implementation="sdpa")
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    head_dim = model_shape(model.config).head_dim
     methods = [CacheMethod(n, n, variant_factory(n, head_dim), True, "") for n in names]
     windows = eval_windows(encode(tokenizer, load_text(EVAL_TEXT)), args.windows, 2048)
-    start = time.perf_counter()
+    started, start = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), time.perf_counter()
     results = chunked_perplexity(model, windows, methods, 512, 32)
     base = results["fp"].perplexity
     out = {
         "command": "python benchmarks/token_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "protocol": {"text": EVAL_TEXT, "windows": args.windows, "window": 2048, "prefill": 512,
                                           "chunk": 32, "dtype": "float32", "attention": "sdpa"},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(time.time() - (time.perf_counter() - start))),
+        "started": started,
         "seconds": time.perf_counter() - start,
         "variants": {n: {"perplexity": r.perplexity, "delta_pct": 100 * (r.perplexity / base - 1),
                          "window_perplexities": r.window_perplexities} for n, r in results.items()},
