@@ -185,8 +185,9 @@ class OscarCacheBase(Cache):
 
 
 class OscarScaledCache(CacheHubMixin, OscarCacheBase):
-    """OScaR (data-free): block Hadamard rotation, omni-token key scaling, INT2 keys per channel over token
-    groups and values per token over channel groups, with a full-precision residual window.
+    """OScaR (data-free): block Hadamard rotation, omni-token key scaling (keys whose channels vary very unevenly
+    keep the model's basis without it: :mod:`hf_kvint2.key_basis`), INT2 keys per channel over token groups and
+    values per token over channel groups, with a full-precision residual window.
 
     ``OscarScaledCache()`` creates its layers lazily; ``OscarScaledCache(config=model.config)`` creates them up
     front (and keeps sliding-window layers in full precision). Settings: the fields of

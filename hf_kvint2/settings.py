@@ -147,10 +147,11 @@ class _Settings:
 # ---------------------------------------------------------------------------------------------- the caches
 @dataclass(frozen=True)
 class OscarScaledSettings(_Settings):
-    """OScaR (SPEC 4): block Hadamard rotation, keys per channel over token groups with omni-token scaling,
-    values per token over channel groups, a full-precision recent window, and a 64-token full-precision sink (not in
-    the paper, whose recipe is ``sink_tokens=0``: models with attention sinks lose a point of perplexity without
-    it, docs/results.md). ``key_group_size`` / ``value_group_size`` default to ``group_size``; ``hadamard_block``
+    """OScaR (SPEC 4): block Hadamard rotation, keys per channel over token groups with omni-token scaling (both
+    dropped by keys that settle in the model's basis, hf_kvint2.key_basis), values per token over channel groups, a
+    full-precision recent window, and a 64-token full-precision sink (not in the paper, whose recipe is
+    ``sink_tokens=0``: models with attention sinks lose a point of perplexity without it, docs/results.md).
+    ``key_group_size`` / ``value_group_size`` default to ``group_size``; ``hadamard_block``
     to the largest power of two dividing head_dim."""
 
     sink_tokens: int = field(default=64, metadata={"kind": "non_negative_int"})
