@@ -5,7 +5,8 @@ Every backend computes the body's partial attention in the rotated space (see :m
 **options) -> (out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``. Registered here:
 
 * ``"torch"``: :func:`hf_kvint2.read_path.body_partial_blocked`, any device, traceable (static caches, export).
-* ``"numba"``: :func:`hf_kvint2.cpu_kernels.body_attention`, CPU, when Numba is installed.
+* ``"numba"``: :func:`hf_kvint2.cpu_kernels.body_attention`, CPU, when Numba is installed; it also runs a dynamic
+  layer's whole decode step (windows, body and merge) as one call, :func:`hf_kvint2.cpu_kernels.layer_step_attention`.
 * ``"triton"``: :func:`hf_kvint2.kernels.body_attention`, CUDA, when Triton is installed.
 
 A new backend: write the function, add a :class:`BodyBackend` entry to ``BODY_BACKENDS`` (device type and an
@@ -37,6 +38,11 @@ class BodyBackend:
     # The Triton kernel's matrix products take the model's 16-bit dtype as operands (fp32 accumulation), as flash
     # attention does; the rotated query reaching it is fp32, so the model dtype is passed as an option.
     takes_dot_dtype: bool = False
+    # Optional: the whole attention step of a dynamic layer in one call (same arguments as
+    # read_path.attend_segments' segments: query, (sink k, v), key body, value body, (tail k, v), scaling=, mask=),
+    # used by steps.LayerStep.attend where ``serves_layer_step(query, key_body)`` holds.
+    layer_step: Callable | None = None
+    serves_layer_step: Callable[..., bool] = lambda query, key_body: False
 
     def options(self, query) -> dict:
         """Backend options that depend on the query (the model's dtype)."""
@@ -45,7 +51,8 @@ class BodyBackend:
 
 BODY_BACKENDS = {
     "triton": BodyBackend("triton", "cuda", kernels.triton_available, kernels.body_attention, takes_dot_dtype=True),
-    "numba": BodyBackend("numba", "cpu", cpu_kernels.available, cpu_kernels.body_attention),
+    "numba": BodyBackend("numba", "cpu", cpu_kernels.available, cpu_kernels.body_attention,
+                         layer_step=cpu_kernels.layer_step_attention, serves_layer_step=cpu_kernels.serves_layer_step),
     "torch": BodyBackend("torch", None, lambda: True, body_partial_blocked),
 }
 
@@ -64,9 +71,10 @@ def select_body_partial(device, traceable: bool = False, differentiable: bool = 
 
 
 def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
-    """Compile (or load from Numba's disk cache) the CPU body kernel for the default layouts of ``OscarCache``
-    and ``OscarScaledCache`` at each head_dim, so that the first fused step of a model does not wait for it.
-    Returns the (head_dim, key layout, value layout) compiled. ``python -m hf_kvint2.backends`` runs it."""
+    """Compile (or load from Numba's disk cache) the CPU body kernel and its layer-step variant for the default
+    layouts of ``OscarCache`` and ``OscarScaledCache`` at each head_dim, so that the first fused step of a model
+    does not wait for them. Returns the (head_dim, key layout, value layout) compiled.
+    ``python -m hf_kvint2.backends`` runs it."""
     import torch
 
     if not cpu_kernels.available():
@@ -83,6 +91,8 @@ def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
                 stream.append(torch.randn(1, 1, max(group, 4), d))
                 streams.append(stream.read())
             cpu_kernels.body_attention(torch.randn(1, 1, 1, d), *streams, scaling=d ** -0.5)
+            window = (torch.randn(1, 1, 2, d), torch.randn(1, 1, 2, d))
+            cpu_kernels.layer_step_attention(torch.randn(1, 1, 1, d), window, *streams, window, scaling=d ** -0.5)
             done.append((d, recipe.key, recipe.value))
     return done
 

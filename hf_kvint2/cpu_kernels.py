@@ -54,10 +54,97 @@ if _NUMBA:
     LANES = 4  # query rows are padded to a multiple of this: four rows per pass, in registers
 
 
+if _NUMBA:
+    @numba.njit(fastmath=_FASTMATH, cache=True, nogil=True)
+    def _rotate_rows(x, rot, scaling, out):  # pragma: no cover
+        # out[r] = scaling * (x[r] @ rot) for the rows of x (out may have more rows: left as they are)
+        d = x.shape[1]
+        acc = np.empty(d, np.float32)
+        for r in range(x.shape[0]):
+            acc[:] = 0.0
+            for j in range(d):
+                xj = x[r, j]
+                for c in range(d):
+                    acc[c] += xj * rot[j, c]
+            for c in range(d):
+                out[r, c] = scaling * acc[c]
+
+    @numba.njit(fastmath=_FASTMATH, cache=True, nogil=True)
+    def _window_partial(q, scaling, mask, b, mrow, col, k, v, acc):  # pragma: no cover
+        # Attention of one query row q [D] (original space) over a full-precision window k/v [nt, D] whose mask
+        # columns start at col: (max score, sum of exp(score - max)); acc [D] gets the unnormalised sum of values.
+        nt, d = k.shape[0], k.shape[1]
+        neg_inf = np.float32(-np.inf)
+        scores = np.empty(nt, np.float32)
+        best = neg_inf
+        for t in range(nt):
+            s = np.float32(0.0)
+            for c in range(d):
+                s += q[c] * k[t, c]
+            s = scaling * s
+            if mask.shape[1] > 0:
+                s += mask[b, mrow, col + t]
+            scores[t] = s
+            best = max(best, s)
+        total = np.float32(0.0)
+        acc[:] = 0.0
+        if best == neg_inf:
+            return best, total
+        for t in range(nt):
+            p = np.float32(math.exp(scores[t] - best))
+            total += p
+            for c in range(d):
+                acc[c] += p * v[t, c]
+        return best, total
+
+    @numba.njit(fastmath=_FASTMATH, cache=True, nogil=True)
+    def _merge_windows(q, scaling, mask, b, query_len, col1, wk0, wv0, wk1, wv1, rot_v, mean_v, h,
+                       m_body, l_body, acc_body, out, lse):  # pragma: no cover
+        # One (row, KV head) of the layer step: the body's unnormalised rotated partial (m_body, l_body, acc_body
+        # per row) de-rotated (acc R_V^T + l mu_V), the windows' partials, merged by log-sum-exp into out [rows, D]
+        # and lse [rows]; a row that attends nothing gets (0, -inf).
+        rows, d = out.shape[0], out.shape[1]
+        neg_inf = np.float32(-np.inf)
+        mask_rows = mask.shape[1]
+        body = np.empty(d, np.float32)
+        acc0 = np.empty(d, np.float32)
+        acc1 = np.empty(d, np.float32)
+        for r in range(rows):
+            mrow = (r % query_len) if mask_rows > 1 else 0
+            m0, l0 = _window_partial(q[r], scaling, mask, b, mrow, 0, wk0, wv0, acc0)
+            m1, l1 = _window_partial(q[r], scaling, mask, b, mrow, col1, wk1, wv1, acc1)
+            mb, lb = m_body[r], l_body[r]
+            big = max(max(m0, m1), mb)
+            if big == neg_inf:
+                out[r, :] = 0.0
+                lse[r] = neg_inf
+                continue
+            e0 = np.float32(math.exp(m0 - big)) if l0 > 0 else np.float32(0.0)
+            e1 = np.float32(math.exp(m1 - big)) if l1 > 0 else np.float32(0.0)
+            eb = np.float32(math.exp(mb - big)) if lb > 0 else np.float32(0.0)
+            body[:] = 0.0
+            if lb > 0:
+                for c in range(d):
+                    s = np.float32(0.0)
+                    for j in range(d):
+                        s += acc_body[r, j] * rot_v[c, j]
+                    body[c] = s
+                if mean_v.shape[0] > 0:
+                    for c in range(d):
+                        body[c] += lb * mean_v[h, c]
+            den = e0 * l0 + e1 * l1 + eb * lb
+            inv = np.float32(1.0) / den
+            for c in range(d):
+                out[r, c] = (e0 * acc0[c] + e1 * acc1[c] + eb * body[c]) * inv
+            lse[r] = big + np.float32(math.log(den))
+
+
 @functools.cache
-def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v_group: int):
+def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v_group: int, whole: bool = False):
     """The body kernel for one head_dim and pair of layouts: loop bounds are compile-time constants, so the
-    per-token loops unroll and the four query rows of a pass vectorize (3x faster than runtime bounds)."""
+    per-token loops unroll and the four query rows of a pass vectorize (3x faster than runtime bounds).
+    ``whole``: the layer-step variant (:func:`layer_step_attention`): it also rotates the query, attends the
+    full-precision windows and merges them with the body in the original space."""
     d4 = d // 4
     k_groups, k_gbytes = (d // k_group, k_group // 4) if k_token_axis else (1, d4)
     v_groups, v_gbytes = (d // v_group, v_group // 4) if v_token_axis else (1, d4)
@@ -66,11 +153,17 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
     codes_table = _CODES
 
     @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
-    def kernel(q, bias, mask, query_len, kc, ks, kl, kn, vc, vs, vl, vn, n, split, out, lse):  # pragma: no cover
-        # q: [B, H, RP, D], RP a multiple of LANES (padding rows are zeros; the caller drops them). Body tokens
-        # [0, n) in splits of `split` tokens: one parallel task per (row, head, split) writes an unnormalised
-        # partial; the splits are merged by log-sum-exp per (row, head).
-        b_size, h_size, rp = q.shape[0], q.shape[1], q.shape[2]
+    def kernel(q_in, bias_in, mask, col0, query_len, kc, ks, kl, kn, vc, vs, vl, vn, n, split, out, lse,
+               scaling, rot_k, mean_k, rot_v, mean_v, wk0, wv0, wk1, wv1):  # pragma: no cover
+        # Body kernel (not whole): q_in [B, H, RP, D] rotated and scaled, RP a multiple of LANES (padding rows are
+        # zeros; the caller drops them), bias_in [B, H, RP]. Body tokens [0, n) in splits of `split` tokens: one
+        # parallel task per (row, head, split) writes an unnormalised partial; the splits are merged by
+        # log-sum-exp per (row, head). The mask's columns of the body start at col0.
+        # Whole: q_in [B, H, rows, D] in the original space, unscaled; the windows wk0/wv0 (before the body, mask
+        # columns [0, n0)) and wk1/wv1 (after it, columns from col0 + n) are attended in the original space and
+        # merged with the de-rotated body; out [B, H, rows, D] is the step's attention output.
+        b_size, h_size = q_in.shape[0], q_in.shape[1]
+        rp = -(-q_in.shape[2] // LANES) * LANES
         nbh = b_size * h_size
         n_chunks = rp // LANES
         n_splits = max(1, -(-n // split))
@@ -80,6 +173,22 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
         neg_inf = np.float32(-np.inf)
         one = np.float32(1.0)
         table = codes_table
+        if whole:  # q' = scaling * (q R_K), padded to RP rows; bias = scaling * (q . mu_K)
+            q = np.zeros((b_size, h_size, rp, d), np.float32)
+            bias = np.zeros((b_size, h_size, rp), np.float32)
+            for bh in numba.prange(nbh):
+                b = bh // h_size
+                h = bh % h_size
+                _rotate_rows(q_in[b, h], rot_k, scaling, q[b, h])
+                if mean_k.shape[0] > 0:
+                    for r in range(q_in.shape[2]):
+                        acc = np.float32(0.0)
+                        for c in range(d):
+                            acc += q_in[b, h, r, c] * mean_k[h, c]
+                        bias[b, h, r] = scaling * acc
+        else:
+            q = q_in
+            bias = bias_in
         # ---- per (row, head): lut[j * 256 + byte, r] = q_r . (codes in byte j); q sums per key group
         lut = np.empty((nbh, lut_rows, rp), np.float32)
         qsum = np.zeros((nbh, k_groups, rp), np.float32)
@@ -169,7 +278,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             if mask_rows > 0:
                 for t in range(t0, t1):
                     for r in range(rp):
-                        scores[t - t0, r] += mask[b, (r % query_len) if mask_rows > 1 else 0, t]
+                        scores[t - t0, r] += mask[b, (r % query_len) if mask_rows > 1 else 0, col0 + t]
             # ---- softmax of the split (unnormalised weights in place)
             row_max = np.full(rp, neg_inf, np.float32)
             row_sum = np.zeros(rp, np.float32)
@@ -300,16 +409,20 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     for r in range(rp):
                         for c in range(d):
                             acc[r, c] += w[s, r] * part_acc[bh, s, r, c]
-            for r in range(rp):
-                if total[r] > 0.0:
-                    inv = one / total[r]
-                    for c in range(d):
-                        out[b, h, r, c] = acc[r, c] * inv
-                    lse[b, h, r] = m[r] + np.float32(math.log(total[r]))
-                else:
-                    for c in range(d):
-                        out[b, h, r, c] = 0.0
-                    lse[b, h, r] = neg_inf
+            if whole:
+                _merge_windows(q_in[b, h], scaling, mask, b, query_len, col0 + n, wk0[b, h], wv0[b, h],
+                               wk1[b, h], wv1[b, h], rot_v, mean_v, h, m, total, acc, out[b, h], lse[b, h])
+            else:
+                for r in range(rp):
+                    if total[r] > 0.0:
+                        inv = one / total[r]
+                        for c in range(d):
+                            out[b, h, r, c] = acc[r, c] * inv
+                        lse[b, h, r] = m[r] + np.float32(math.log(total[r]))
+                    else:
+                        for c in range(d):
+                            out[b, h, r, c] = 0.0
+                        lse[b, h, r] = neg_inf
 
     return kernel
 
@@ -346,21 +459,69 @@ def split_tokens(n: int, rows: int, tasks: int, align: int) -> int:
     return -(-per_split // align) * align
 
 
+def _require_numba() -> None:
+    if not _NUMBA:
+        raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
+
+
+def _split_for(key_body, value_body, rows: int, tasks: int, split: int | None) -> int:
+    align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
+    if split is None:
+        return split_tokens(key_body.tokens, rows, tasks, align)
+    if split <= 0 or split % align:
+        raise ValueError(f"split={split} must be a positive multiple of the per-channel group size {align}.")
+    return split
+
+
+def _mask_rows(mask, b: int, cols: int) -> torch.Tensor:
+    """bool/additive mask broadcastable to [B, 1, Lq, cols] -> fp32 additive [B, Lq or 1, cols] ([B, 0, 1]: none)."""
+    add = mask_to_additive(mask.detach() if mask is not None else None)
+    if add is None:
+        return torch.zeros(b, 0, 1)
+    if add.dim() != 4 or add.shape[1] != 1:
+        raise ValueError(f"The body mask must broadcast to [batch, 1, query_len, tokens], got {tuple(add.shape)}.")
+    return add.expand(b, 1, add.shape[2], cols).reshape(b, -1, cols).contiguous()
+
+
+def _run_kernel(key_body, value_body, whole: bool, *args) -> None:
+    """The kernel for these layouts (compiled or loaded on first use) on torch's thread count."""
+    spec = (key_body.codes.shape[-1] * 4, key_body.layout.axis == "token", key_body.group,
+            value_body.layout.axis == "token", value_body.group, whole)
+    kernel = _make_kernel(*spec)
+    torch_threads = torch.get_num_threads()
+    threads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+    first = spec not in _called
+    t0 = time.perf_counter()
+    kernel(*args)
+    if first:
+        _called.add(spec)
+        _notice_compile(spec, time.perf_counter() - t0)
+    if torch.get_num_threads() != torch_threads:  # both may use the OpenMP runtime: keep torch's setting
+        torch.set_num_threads(torch_threads)
+
+
+_NONE = {}  # zero-size stand-ins for the layer step's inputs in the body kernel, per head_dim
+
+
+def _unused(d: int) -> tuple:
+    if d not in _NONE:
+        _NONE[d] = (np.zeros((0, 0), np.float32), np.zeros((0, d), np.float32), np.zeros((1, 1, 0, d), np.float32),
+                    np.zeros((0, 0, 0), np.float32))
+    return _NONE[d]
+
+
 def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None, split=None):
     """Numba body partial over :class:`~hf_kvint2.stream.QuantizedBody` tokens: ``(out_rot [B, Hq, Lq, D] fp32,
     lse [B, Hq, Lq] fp32)``, see the module docstring. ``split``: body tokens per task (default
     :func:`split_tokens`; a multiple of the per-channel group sizes)."""
-    if not _NUMBA:
-        raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
+    _require_numba()
     b, hq, lq, d = q_rot.shape
     n = key_body.tokens
     hkv = key_body.codes.shape[1]
     rows = (hq // hkv) * lq
-    align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
-    if split is None:
-        split = split_tokens(n, rows, b * hkv, align)
-    elif split <= 0 or split % align:
-        raise ValueError(f"split={split} must be a positive multiple of the per-channel group size {align}.")
+    split = _split_for(key_body, value_body, rows, b * hkv, split)
     padded = -(-rows // LANES) * LANES
     q = (q_rot.detach().float() * scaling).reshape(b, hkv, rows, d)
     if padded != rows:
@@ -369,35 +530,66 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     bias = torch.zeros(b, hkv, padded)
     if key_mean_logits is not None:
         bias[:, :, :rows] = (scaling * key_mean_logits.detach().float()).reshape(b, hkv, rows)
-    add = mask_to_additive(mask.detach() if mask is not None else None)
-    if add is None:
-        add = torch.zeros(b, 0, 1)
-    else:
-        if add.dim() != 4 or add.shape[1] != 1:
-            raise ValueError(f"The body mask must broadcast to [batch, 1, query_len, tokens], got {tuple(add.shape)}.")
-        add = add.expand(b, 1, add.shape[2], n).reshape(b, -1, n).contiguous()
+    add = _mask_rows(mask, b, n)
     kc, ks, kl, kn = _body_arrays(key_body, b)
     vc, vs, vl, vn = _body_arrays(value_body, b)
     out = np.empty((b, hkv, padded, d), np.float32)
     lse = np.empty((b, hkv, padded), np.float32)
-    spec = (d, key_body.layout.axis == "token", key_body.group, value_body.layout.axis == "token", value_body.group)
-    kernel = _make_kernel(*spec)
-    torch_threads = torch.get_num_threads()
-    threads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-    first = spec not in _called
-    t0 = time.perf_counter()
-    kernel(q.numpy(), bias.numpy(), add.numpy(), lq, kc, ks, kl, kn, vc, vs, vl, vn, n, split, out, lse)
-    if first:
-        _called.add(spec)
-        _notice_compile(spec, time.perf_counter() - t0)
-    if torch.get_num_threads() != torch_threads:  # both may use the OpenMP runtime: keep torch's setting
-        torch.set_num_threads(torch_threads)
+    rot, mean, window, _ = _unused(d)
+    _run_kernel(key_body, value_body, False, q.numpy(), bias.numpy(), add.numpy(), 0, lq, kc, ks, kl, kn, vc, vs,
+                vl, vn, n, split, out, lse, np.float32(scaling), rot, mean, rot, mean, window, window, window, window)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
         out_t, lse_t = out_t[:, :, :rows], lse_t[:, :, :rows]
     return out_t.reshape(b, hq, lq, d), lse_t.reshape(b, hq, lq)
+
+
+def _window_array(x: torch.Tensor) -> np.ndarray:
+    return x.detach().float().contiguous().numpy()
+
+
+def layer_step_attention(query, before, key_body, value_body, after, *, scaling, mask=None, split=None):
+    """A whole attention step of a dynamic layer in one compiled call: ``query`` [B, Hq, Lq, D] (original space)
+    over the full-precision window ``before`` = ``(k, v)`` [B, Hkv, n0, D] (the sink), the body's tokens and the
+    window ``after`` (recent tokens and the current chunk), in that order; ``mask`` bool/additive over all of their
+    tokens, broadcastable to [B, 1, Lq, n0 + body + n1], or None. The same arithmetic as
+    :func:`hf_kvint2.read_path.attend_segments` with :func:`body_attention` (fp32; another summation order): the
+    query is rotated, the windows attended and everything merged inside the kernel, where the pipeline's ~20 small
+    PyTorch ops per layer cost more than the body itself at batch 1 (benchmarks/results/profile_decode_*).
+    Returns [B, Hq, Lq, D] in the query's dtype. For decode steps and short chunks (see :func:`serves_layer_step`).
+    """
+    _require_numba()
+    b, hq, lq, d = query.shape
+    n = key_body.tokens
+    hkv = key_body.codes.shape[1]
+    rows = (hq // hkv) * lq
+    split = _split_for(key_body, value_body, rows, b * hkv, split)
+    (k0, v0), (k1, v1) = before, after
+    n0 = k0.shape[2]
+    q = query.detach().float().reshape(b, hkv, rows, d).contiguous()
+    add = _mask_rows(mask, b, n0 + n + k1.shape[2])
+    kc, ks, kl, kn = _body_arrays(key_body, b)
+    vc, vs, vl, vn = _body_arrays(value_body, b)
+    kcodec, vcodec = key_body.codec, value_body.codec
+    _, none, _, no_bias = _unused(d)
+    mean_k = none if kcodec.mean is None else kcodec.mean.contiguous().numpy()
+    mean_v = none if vcodec.mean is None else vcodec.mean.contiguous().numpy()
+    out = np.empty((b, hkv, rows, d), np.float32)
+    lse = np.empty((b, hkv, rows), np.float32)
+    _run_kernel(key_body, value_body, True, q.numpy(), no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
+                vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), kcodec.rotation.contiguous().numpy(),
+                mean_k, vcodec.rotation.contiguous().numpy(), mean_v, _window_array(k0), _window_array(v0),
+                _window_array(k1), _window_array(v1))
+    return torch.from_numpy(out).reshape(b, hq, lq, d).to(query.dtype)
+
+
+def serves_layer_step(query, key_body) -> bool:
+    """Whether :func:`layer_step_attention` serves this query: CPU, eager, no gradient, at most
+    ``SPLIT_MAX_ROWS`` query rows per KV head (decode steps and short chunks; a long chunk's window is the chunk
+    itself, which SDPA's flash kernel attends faster)."""
+    rows = query.shape[1] // key_body.codes.shape[1] * query.shape[2]
+    return (_NUMBA and query.device.type == "cpu" and rows <= SPLIT_MAX_ROWS and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and query.requires_grad))
 
 
 # ---------------------------------------------------------------------------------------------------- write path

@@ -279,6 +279,57 @@ def test_numba_split_k_matches_unsplit(layout):
         cpu_kernels.body_attention(q, kb, vb, scaling=0.3, split=align + 1 if align > 1 else 0)
 
 
+STEP_LAYOUTS = {  # the body layouts above, with full-precision windows around the body
+    "token keys, centred": oscar_recipe(sink_tokens=3, recent_tokens=5, group_size=8,
+                                        key_mean=torch.randn(2, 16), value_mean=torch.randn(2, 16)),
+    "channel keys with norms, no sink": oscar_scaled_recipe(sink_tokens=0, recent_tokens=6, group_size=8),
+    "channel values, normed token values": oscar_recipe(
+        sink_tokens=2, recent_tokens=4, key_layout=GroupLayout("token", 16, None, True),
+        value_layout=GroupLayout("channel", 4, None, True)),
+}
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
+@pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3)])
+def test_numba_layer_step_matches_the_pipeline(layout, groups, query_len):
+    """The Numba whole-layer step (query rotated, windows attended and merged inside the kernel) == the shared
+    pipeline (attend_segments) with the dense reference body, every layout, GQA, several query positions, bool and
+    float masks over all tokens, a row that attends nothing, no mask; split-K over the body agrees too."""
+    torch.manual_seed(4)
+    layer = OscarLayer(STEP_LAYOUTS[layout], 0)
+    layer.fused_attention = True
+    for n in (24, 16, query_len):
+        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
+    step = kv[0].step
+    n_sink, n_body, total = step.sink_k.shape[-2], step.body_tokens, step.seq_len
+    assert n_body and step.tail_k.shape[-2]
+    kb, vb = layer.key_body.read(n_body), layer.value_body.read(n_body)
+    q = torch.randn(2, 2 * groups, query_len, 16)
+    dead = torch.rand(2, 1, query_len, total) > 0.3
+    dead[1, 0, 0] = False
+    for mask in (None, dead, torch.randn(1, 1, 1, total)):
+        add = read_path.mask_to_additive(mask)
+
+        def cols(a, z, add=add):
+            return None if add is None else add[..., a:z]
+
+        before = [(step.sink_k, step.sink_v, cols(0, n_sink))] if n_sink else []
+        want = read_path.attend_segments(q, before, kb, vb, cols(n_sink, n_sink + n_body),
+                                         [(step.tail_k, step.tail_v, cols(n_sink + n_body, total))], 0.3,
+                                         read_path.reference_body_partial)
+        assert cpu_kernels.serves_layer_step(q, kb)
+        for split in (None, 8):
+            got = cpu_kernels.layer_step_attention(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v),
+                                                   scaling=0.3, mask=mask, split=split)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if mask is dead:
+            assert torch.equal(got[1, :, 0], torch.zeros_like(got[1, :, 0]))  # (0, -inf) merges to 0
+    assert not cpu_kernels.serves_layer_step(torch.randn(2, 4, cpu_kernels.SPLIT_MAX_ROWS, 16), kb)  # a long chunk
+    with torch.enable_grad():
+        assert not cpu_kernels.serves_layer_step(q.clone().requires_grad_(), kb)
+
+
 def test_dense_partial_fused_cpu_matches_separate_ops():
     """The fused CPU dense partial (flash attention with its log-sum-exp) == the separate ops, GQA, masks with a
     row that attends nothing, several query positions."""
