@@ -88,7 +88,8 @@ def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
                 codec = StreamCodec(GroupLayout(layout.axis, group, layout.clip, layout.token_scaling), group,
                                     block_hadamard_matrix(d), None, recipe.scale_dtype)
                 stream = QuantizedStream(codec)
-                stream.append(torch.randn(1, 1, max(group, 4), d))
+                for _ in range(2):  # a first append, then one into the buffers (a decode step's demotion)
+                    stream.append(torch.randn(1, 1, max(group, 4), d))
                 streams.append(stream.read())
             cpu_kernels.body_attention(torch.randn(1, 1, 1, d), *streams, scaling=d ** -0.5)
             window = (torch.randn(1, 1, 2, d), torch.randn(1, 1, 2, d))

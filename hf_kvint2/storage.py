@@ -30,6 +30,12 @@ class TokenBuffer:
             self.data = x.clone()
             self.rows = n
             return
+        self.slot(n).copy_(x)
+        self.rows += n
+
+    def slot(self, n: int) -> torch.Tensor:
+        """The next ``n`` rows (capacity grown if needed) as a view to write into; :meth:`advance` then adds them
+        (a writer that fails leaves the buffer as it was). Needs a first :meth:`append` (it fixes the shape)."""
         cap = self.data.shape[self.dim]
         if self.rows + n > cap:
             wanted = max(int(self.GROWTH * cap), self.rows + n)
@@ -39,7 +45,9 @@ class TokenBuffer:
             grown = self.data.new_empty(shape)
             grown.narrow(self.dim, 0, self.rows).copy_(self.view())
             self.data = grown
-        self.data.narrow(self.dim, self.rows, n).copy_(x)
+        return self.data.narrow(self.dim, self.rows, n)
+
+    def advance(self, n: int) -> None:
         self.rows += n
 
     def view(self) -> torch.Tensor | None:

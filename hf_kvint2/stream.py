@@ -138,6 +138,15 @@ class QuantizedStream:
             q, norm = kernels.quantize_stream(self.codec, x)
             if norm is not None:
                 check_norms(norm, self.codec.scale_dtype)
+        elif self.codes.data is not None and cpu_kernels.quantizer_supports(self.codec.layout, x):
+            # CPU, per-token groups: quantized straight into the buffers' next rows (a decode step's demotion)
+            n, codec = x.shape[2], self.codec
+            slots = tuple(buf.slot(n) for buf in (self.codes, self.scale, self.lo))
+            cpu_kernels.quantize_token_groups(rotate_tokens(x, codec.rotation, codec.mean), codec.layout.clip,
+                                              codec.group, codec.scale_dtype, out=slots)
+            for buf in (self.codes, self.scale, self.lo):
+                buf.advance(n)
+            return
         else:
             q, norm = self.codec.quantize(x)
         self.codes.append(q.codes)
