@@ -1,6 +1,7 @@
 """Where a batch-1 decode step's time goes: cProfile (CPU-time clock) of decode steps on the synthetic SmolLM2-shaped
-Llama (fp32, one thread), grouped into model matmuls, the Numba body kernel, its Python wrapper, the rest of the
-fused attention, the cache's write path (update: checks, windows, quantization of demoted tokens) and the rest.
+Llama (fp32, one thread), grouped into model matmuls, the Numba kernel, its Python wrapper (the whole-layer step),
+the rest of the fused attention, the cache's write path (update: checks, windows, quantization of demoted tokens)
+and the rest.
 
     python benchmarks/profile_decode.py --cache oscar --context 2048     # -> results/profile_decode_oscar_2048.txt
 """
@@ -23,7 +24,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GROUPS = (
     ("model linear layers (torch.nn.functional.linear)", lambda k: k[2] == "<built-in method torch._C._nn.linear>"),
     ("Numba body kernel", lambda k: k[0].endswith("cpu_kernels.py") and k[2] == "kernel"),
-    ("body kernel wrapper (cpu_kernels.body_attention, incl. kernel)", lambda k: k[2] == "body_attention"),
+    ("kernel wrapper (cpu_kernels.layer_step_attention, incl. kernel)", lambda k: k[0].endswith("cpu_kernels.py")
+     and k[2] in ("layer_step_attention", "body_attention")),
     ("fused attention (steps.LayerStep.attend, incl. wrapper and kernel)", lambda k: k[0].endswith("steps.py")
      and k[2] == "attend"),
     ("SDPA (DynamicCache; for Oscar: the prefill path only)", lambda k: k[2] == "sdpa_attention_forward"),

@@ -9,6 +9,11 @@ heads), one parallel task per (batch row, KV head, split) writes an unnormalised
 are merged by log-sum-exp. The kernel is compiled per head_dim and pair of layouts, so that its loop bounds are
 constants (about 3x faster inner loops than with runtime bounds), and cached on disk (``NUMBA_CACHE_DIR``).
 Nothing of the size of a layer's full-precision K/V history is allocated.
+
+:func:`layer_step_attention` is the same kernel's variant for a whole decode step of a dynamic layer: it also
+rotates the query, attends the full-precision windows and merges everything in the original space (one call per
+layer instead of the read pipeline's small PyTorch ops). :func:`quantize_token_groups` is the write path's
+quantizer for per-token groups.
 """
 
 from __future__ import annotations
