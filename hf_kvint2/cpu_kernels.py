@@ -473,13 +473,19 @@ def _require_numba() -> None:
         raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
 
 
-def _split_for(key_body, value_body, rows: int, tasks: int, split: int | None) -> int:
+def _call_shapes(q, key_body, value_body, split: int | None) -> tuple:
+    """``(b, hq, lq, d, body tokens, kv heads, query rows per KV head, split)`` of a kernel call; ``split`` checked
+    (a positive multiple of the per-channel group sizes) or chosen by :func:`split_tokens`."""
+    _require_numba()
+    b, hq, lq, d = q.shape
+    hkv = key_body.codes.shape[1]
+    rows = (hq // hkv) * lq
     align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
     if split is None:
-        return split_tokens(key_body.tokens, rows, tasks, align)
-    if split <= 0 or split % align:
+        split = split_tokens(key_body.tokens, rows, b * hkv, align)
+    elif split <= 0 or split % align:
         raise ValueError(f"split={split} must be a positive multiple of the per-channel group size {align}.")
-    return split
+    return b, hq, lq, d, key_body.tokens, hkv, rows, split
 
 
 def _mask_rows(mask, b: int, cols: int) -> torch.Tensor:
@@ -525,12 +531,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     """Numba body partial over :class:`~hf_kvint2.stream.QuantizedBody` tokens: ``(out_rot [B, Hq, Lq, D] fp32,
     lse [B, Hq, Lq] fp32)``, see the module docstring. ``split``: body tokens per task (default
     :func:`split_tokens`; a multiple of the per-channel group sizes)."""
-    _require_numba()
-    b, hq, lq, d = q_rot.shape
-    n = key_body.tokens
-    hkv = key_body.codes.shape[1]
-    rows = (hq // hkv) * lq
-    split = _split_for(key_body, value_body, rows, b * hkv, split)
+    b, hq, lq, d, n, hkv, rows, split = _call_shapes(q_rot, key_body, value_body, split)
     padded = -(-rows // LANES) * LANES
     q = (q_rot.detach().float() * scaling).reshape(b, hkv, rows, d)
     if padded != rows:
@@ -567,12 +568,7 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     PyTorch ops per layer cost more than the body itself at batch 1 (benchmarks/results/profile_decode_*).
     Returns [B, Hq, Lq, D] in the query's dtype. For decode steps and short chunks (see :func:`serves_layer_step`).
     """
-    _require_numba()
-    b, hq, lq, d = query.shape
-    n = key_body.tokens
-    hkv = key_body.codes.shape[1]
-    rows = (hq // hkv) * lq
-    split = _split_for(key_body, value_body, rows, b * hkv, split)
+    b, hq, lq, d, n, hkv, rows, split = _call_shapes(query, key_body, value_body, split)
     (k0, v0), (k1, v1) = before, after
     n0 = k0.shape[2]
     q = query.detach().float().reshape(b, hkv, rows, d).contiguous()

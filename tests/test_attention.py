@@ -279,14 +279,10 @@ def test_numba_split_k_matches_unsplit(layout):
         cpu_kernels.body_attention(q, kb, vb, scaling=0.3, split=align + 1 if align > 1 else 0)
 
 
-STEP_LAYOUTS = {  # the body layouts above, with full-precision windows around the body
-    "token keys, centred": oscar_recipe(sink_tokens=3, recent_tokens=5, group_size=8,
-                                        key_mean=torch.randn(2, 16), value_mean=torch.randn(2, 16)),
-    "channel keys with norms, no sink": oscar_scaled_recipe(sink_tokens=0, recent_tokens=6, group_size=8),
-    "channel values, normed token values": oscar_recipe(
-        sink_tokens=2, recent_tokens=4, key_layout=GroupLayout("token", 16, None, True),
-        value_layout=GroupLayout("channel", 4, None, True)),
-}
+# The body layouts above with full-precision windows around the body (sink, recent tokens; one without a sink)
+STEP_LAYOUTS = {name: LAYOUTS[name].with_overrides(sink_tokens=sink, recent_tokens=recent) for name, sink, recent in
+                [("token keys, centred", 3, 5), ("channel keys with norms", 0, 6),
+                 ("channel values, normed token values", 2, 4)]}
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
