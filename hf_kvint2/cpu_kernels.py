@@ -147,7 +147,6 @@ if _NUMBA:
             lse[r] = big + np.float32(math.log(den))
 
 
-
 @functools.cache
 def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v_group: int, whole: bool = False):
     """The body kernel for one head_dim and pair of layouts: loop bounds are compile-time constants, so the

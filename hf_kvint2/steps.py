@@ -129,9 +129,9 @@ class LayerStep(_Step):
         # With gradients enabled for the query: the differentiable PyTorch body reader (the body's codes are data,
         # with no gradient; README).
         backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
-        key_body = layer.key_body.read(n_body)
+        key_body, value_body = layer.key_body.read(n_body), layer.value_body.read(n_body)
         if backend.layer_step is not None and backend.serves_layer_step(query, key_body):  # the step in one call
-            return backend.layer_step(query, (self.sink_k, self.sink_v), key_body, layer.value_body.read(n_body),
+            return backend.layer_step(query, (self.sink_k, self.sink_v), key_body, value_body,
                                       (self.tail_k, self.tail_v), scaling=scaling, mask=mask)
 
         def cols(a, z):
@@ -139,7 +139,7 @@ class LayerStep(_Step):
 
         before = [(self.sink_k, self.sink_v, cols(0, n_sink))] if n_sink else []
         after = [(self.tail_k, self.tail_v, cols(n_sink + n_body, total))]
-        return attend_segments(query, before, key_body, layer.value_body.read(n_body),
+        return attend_segments(query, before, key_body, value_body,
                                cols(n_sink, n_sink + n_body), after, scaling, backend.run, fused_dense=True,
                                **backend.options(query))
 

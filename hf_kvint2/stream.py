@@ -42,13 +42,14 @@ class StreamCodec:
                                 token_scaling=self.layout.token_scaling, scale_dtype=self.scale_dtype,
                                 all_reduce_sum=reduce)
 
-    def quantize(self, x: torch.Tensor) -> tuple[QuantizedGroups, torch.Tensor | None]:
+    def quantize(self, x: torch.Tensor, out: tuple | None = None) -> tuple[QuantizedGroups, torch.Tensor | None]:
         """What the stream stores for original-space x [B, H, n, D]: INT2 groups and norms (or None). On CPU,
         per-token groups without token scaling are clipped and quantized by one compiled call
-        (:func:`~hf_kvint2.cpu_kernels.quantize_token_groups`, bit-identical to the PyTorch ops)."""
+        (:func:`~hf_kvint2.cpu_kernels.quantize_token_groups`, bit-identical to the PyTorch ops), which writes into
+        ``out`` = (codes, scale, lo) views if given (only for those layouts: see ``quantizer_supports``)."""
         if cpu_kernels.quantizer_supports(self.layout, x):
             xr = rotate_tokens(x, self.rotation, self.mean)
-            return cpu_kernels.quantize_token_groups(xr, self.layout.clip, self.group, self.scale_dtype), None
+            return cpu_kernels.quantize_token_groups(xr, self.layout.clip, self.group, self.scale_dtype, out), None
         xt, norm = self.transform(x)
         return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype), norm
 
@@ -140,10 +141,8 @@ class QuantizedStream:
                 check_norms(norm, self.codec.scale_dtype)
         elif self.codes.data is not None and cpu_kernels.quantizer_supports(self.codec.layout, x):
             # CPU, per-token groups: quantized straight into the buffers' next rows (a decode step's demotion)
-            n, codec = x.shape[2], self.codec
-            slots = tuple(buf.slot(n) for buf in (self.codes, self.scale, self.lo))
-            cpu_kernels.quantize_token_groups(rotate_tokens(x, codec.rotation, codec.mean), codec.layout.clip,
-                                              codec.group, codec.scale_dtype, out=slots)
+            n = x.shape[2]
+            self.codec.quantize(x, out=tuple(buf.slot(n) for buf in (self.codes, self.scale, self.lo)))
             for buf in (self.codes, self.scale, self.lo):
                 buf.advance(n)
             return
