@@ -58,6 +58,50 @@ if _NUMBA:
     _CODES = np.array([[(byte >> (2 * i)) & 3 for i in range(4)] for byte in range(256)], np.float32)
     LANES = 4  # query rows are padded to a multiple of this: four rows per pass, in registers
 
+    def _superword_vectorized(fn, *args):
+        # Numba leaves LLVM's superword-level (SLP) vectorizer off by default. The kernels' four query rows per
+        # pass are four independent scalar chains (key-table sums, value-bucket updates) that it turns into one
+        # vector: 2-2.7x faster inner loops. On for every call (a call with new argument types compiles), and
+        # only there, so other Numba code keeps Numba's setting.
+        before = numba.config.SLP_VECTORIZE
+        numba.config.SLP_VECTORIZE = 1
+        try:
+            return fn(*args)
+        finally:
+            numba.config.SLP_VECTORIZE = before
+
+
+if _NUMBA:
+    _LOG2E = np.float32(1.4426950408889634)
+    _LN2_HI = np.float32(0.693359375)  # ln 2 in two parts (Cody-Waite): x - n ln 2 without cancellation
+    _LN2_LO = np.float32(-2.12194440e-4)
+    _EXP_MIN = np.float32(-87.0)  # below it exp(x) underflows float32's normal range: the weight is 0
+
+    # No 'reassoc' here: it would let LLVM fold the two-part ln 2 back into one.
+    @numba.njit(fastmath={"contract", "nsz"}, cache=True, nogil=True)
+    def _exp_nonpositive(x, pow2):  # pragma: no cover
+        # x[k] = exp(x[k]) in place for x <= 0 (softmax scores minus their row's max; -inf gives 0): range
+        # reduction x = n ln 2 + r, a degree-6 polynomial for exp(r), 2^n from its float32 bits (pow2: int32
+        # scratch of x's size). One loop LLVM vectorizes, unlike the scalar libm exp: 8x faster, within 2 ulp.
+        for k in range(x.shape[0]):
+            v = x[k]
+            vc = max(v, _EXP_MIN)
+            n = np.int32(vc * _LOG2E - np.float32(0.5))  # round to nearest for vc <= 0 (truncation toward 0)
+            nf = np.float32(n)
+            r = vc - nf * _LN2_HI - nf * _LN2_LO
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            p = p * r * r + r + np.float32(1.0)
+            x[k] = p if v >= _EXP_MIN else np.float32(0.0)
+            pow2[k] = (n + np.int32(127)) << 23
+        two_n = pow2.view(np.float32)
+        for k in range(x.shape[0]):
+            x[k] = x[k] * two_n[k]
+
 
 if _NUMBA:
     # Helpers of the kernel's layer-step variant. head_dim ``d`` is passed from the kernel, where it is a
@@ -197,19 +241,22 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
         else:
             q = q_in
             bias = bias_in
-        # ---- per (row, head): lut[j * 256 + byte, r] = q_r . (codes in byte j); q sums per key group
-        lut = np.empty((nbh, lut_rows, rp), np.float32)
+        # ---- per (row, head): lut[rc, j * 256 + byte, lane] = q_r . (codes in byte j) for r = rc * LANES + lane
+        # (chunk-major: the four lanes of a row chunk are one vector at a constant offset); q sums per key group
+        lut = np.empty((nbh, n_chunks, lut_rows, LANES), np.float32)
         qsum = np.zeros((nbh, k_groups, rp), np.float32)
         if k_token_axis:
             for bh in numba.prange(nbh):
                 qt = q[bh // h_size, bh % h_size]
-                lt = lut[bh]
-                for j in range(d4):
-                    for byte in range(256):
-                        c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
-                        for r in range(rp):
-                            lt[j * 256 + byte, r] = (qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
-                                                     + qt[r, 4 * j + 2] * c2 + qt[r, 4 * j + 3] * c3)
+                for rc in range(n_chunks):
+                    lt = lut[bh, rc]
+                    for j in range(d4):
+                        for byte in range(256):
+                            c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
+                            for lane in range(LANES):
+                                r = rc * LANES + lane
+                                lt[j * 256 + byte, lane] = (qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
+                                                            + qt[r, 4 * j + 2] * c2 + qt[r, 4 * j + 3] * c3)
                 for r in range(rp):
                     for c in range(d):
                         qsum[bh, c // k_group, r] += qt[r, c]
@@ -232,10 +279,11 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             kct, kst, klt = kc[b, h], ks[b, h], kl[b, h]
             # ---- scores
             if k_token_axis:
-                lt = lut[bh]
                 qs = qsum[bh]
                 for rc in range(n_chunks):  # four query rows in registers; codes re-read per chunk of rows
                     r0 = rc * LANES
+                    lt = lut[bh, rc]
+                    b0, b1, b2, b3 = bias[b, h, r0], bias[b, h, r0 + 1], bias[b, h, r0 + 2], bias[b, h, r0 + 3]
                     for t in range(t0, t1):
                         s0 = s1 = s2 = s3 = np.float32(0.0)
                         for gi in range(k_groups):
@@ -243,10 +291,10 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                             for jj in range(k_gbytes):
                                 j = gi * k_gbytes + jj
                                 row = j * 256 + kct[t, j]
-                                a0 += lt[row, r0]
-                                a1 += lt[row, r0 + 1]
-                                a2 += lt[row, r0 + 2]
-                                a3 += lt[row, r0 + 3]
+                                a0 += lt[row, 0]
+                                a1 += lt[row, 1]
+                                a2 += lt[row, 2]
+                                a3 += lt[row, 3]
                             sc = kst[t, gi]
                             off = klt[t, gi]
                             s0 += sc * a0 + off * qs[gi, r0]
@@ -255,34 +303,45 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                             s3 += sc * a3 + off * qs[gi, r0 + 3]
                         norm = kn[b, t] if has_kn else one
                         i = t - t0
-                        scores[i, r0] = s0 * norm + bias[b, h, r0]
-                        scores[i, r0 + 1] = s1 * norm + bias[b, h, r0 + 1]
-                        scores[i, r0 + 2] = s2 * norm + bias[b, h, r0 + 2]
-                        scores[i, r0 + 3] = s3 * norm + bias[b, h, r0 + 3]
+                        scores[i, r0] = s0 * norm + b0
+                        scores[i, r0 + 1] = s1 * norm + b1
+                        scores[i, r0 + 2] = s2 * norm + b2
+                        scores[i, r0 + 3] = s3 * norm + b3
             else:
-                # Per-channel groups: q . (code * scale + lo) = (q * scale) . code + q . lo, with q * scale and q . lo
-                # once per group of k_group tokens; each token's codes are unpacked once for every query row.
-                q_scaled = np.empty((rp, d), np.float32)
+                # Per-channel groups: q . (code * scale + lo) = (q * scale) . code + q . lo. Per group of k_group
+                # tokens (splits start on a group): q * scale and q . lo once, and the group's codes unpacked in one
+                # flat loop that vectorizes (plane i holds bits 2i, 2i+1 of every byte), with q * scale permuted to
+                # that order (channel 4j + i at i * d4 + j). 1.7x faster than unpacking token by token.
+                q_perm = np.empty((rp, d), np.float32)
                 q_lo = np.empty(rp, np.float32)
-                for t in range(t0, t1):
-                    if t == t0 or t % k_group == 0:
-                        row = t // k_group
-                        for r in range(rp):
-                            acc = np.float32(0.0)
-                            for c in range(d):
-                                q_scaled[r, c] = qt[r, c] * kst[row, c]
-                                acc += qt[r, c] * klt[row, c]
-                            q_lo[r] = acc
-                    for j in range(d4):
-                        byte = kct[t, j]
-                        for i in range(4):
-                            x[4 * j + i] = table[byte, i]
-                    norm = kn[b, t] if has_kn else one
+                planes = np.empty((4, k_group * d4), np.float32)
+                for g0 in range(t0, t1, k_group):
+                    g1 = min(t1, g0 + k_group)
+                    row = g0 // k_group
                     for r in range(rp):
                         acc = np.float32(0.0)
-                        for c in range(d):
-                            acc += q_scaled[r, c] * x[c]
-                        scores[t - t0, r] = (acc + q_lo[r]) * norm + bias[b, h, r]
+                        for j in range(d4):
+                            for i in range(4):
+                                c = 4 * j + i
+                                q_perm[r, i * d4 + j] = qt[r, c] * kst[row, c]
+                                acc += qt[r, c] * klt[row, c]
+                        q_lo[r] = acc
+                    group_codes = kct[g0:g1].reshape(-1)
+                    for k in range((g1 - g0) * d4):
+                        v = np.int32(group_codes[k])
+                        planes[0, k] = np.float32(v & 3)
+                        planes[1, k] = np.float32((v >> 2) & 3)
+                        planes[2, k] = np.float32((v >> 4) & 3)
+                        planes[3, k] = np.float32(v >> 6)
+                    for t in range(g0, g1):
+                        norm = kn[b, t] if has_kn else one
+                        base = (t - g0) * d4
+                        for r in range(rp):
+                            acc = np.float32(0.0)
+                            for i in range(4):
+                                for j in range(d4):
+                                    acc += q_perm[r, i * d4 + j] * planes[i, base + j]
+                            scores[t - t0, r] = (acc + q_lo[r]) * norm + bias[b, h, r]
             if mask_rows > 0:
                 for t in range(t0, t1):
                     for r in range(rp):
@@ -299,9 +358,11 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     ref[r] = row_max[r]
             for i in range(ns):
                 for r in range(rp):
-                    p = np.float32(math.exp(scores[i, r] - ref[r]))
-                    scores[i, r] = p
-                    row_sum[r] += p
+                    scores[i, r] -= ref[r]
+            _exp_nonpositive(scores.reshape(-1), np.empty(ns * rp, np.int32))
+            for i in range(ns):
+                for r in range(rp):
+                    row_sum[r] += scores[i, r]
             for r in range(rp):
                 part_m[bh, s, r] = row_max[r]
                 part_l[bh, s, r] = row_sum[r]
@@ -508,7 +569,7 @@ def _run_kernel(key_body, value_body, whole: bool, *args) -> None:
         numba.set_num_threads(threads)
     first = spec not in _called
     t0 = time.perf_counter()
-    kernel(*args)
+    _superword_vectorized(kernel, *args)
     if first:
         _called.add(spec)
         _notice_compile(spec, time.perf_counter() - t0)
@@ -771,8 +832,8 @@ def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int
     else:
         codes, scale, lo = out
     bits = (lambda t: t.view(torch.int16)) if kind != 2 else (lambda t: t)
-    biggest = _make_quantizer(d, group, kind, clip)(x.numpy(), i0, i1, np.float32(1 - frac), np.float32(frac),
-                                                    codes.numpy(), bits(scale).numpy(), bits(lo).numpy())
+    biggest = _superword_vectorized(_make_quantizer(d, group, kind, clip), x.numpy(), i0, i1, np.float32(1 - frac),
+                                    np.float32(frac), codes.numpy(), bits(scale).numpy(), bits(lo).numpy())
     if x.numel() and not biggest <= torch.finfo(scale_dtype).max:
         raise scale_range_error(float(biggest), scale_dtype)
     return QuantizedGroups(codes, scale, lo)
