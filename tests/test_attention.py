@@ -268,7 +268,9 @@ def test_numba_split_k_matches_unsplit(layout):
         one = cpu_kernels.body_attention(q, kb, vb, split=-(-n_tokens // align) * align, **args)  # one split
         for s in (split, align * 8):
             got = cpu_kernels.body_attention(q, kb, vb, split=s, **args)
-            torch.testing.assert_close(got[0], one[0], atol=5e-6, rtol=1e-5)  # fp32, another summation order
+            # fp32 in another summation order over ~1300 tokens of O(1) values (the output is a small difference of
+            # them): errors of a few 1e-6, and which element lands where depends on the CPU's vector width
+            torch.testing.assert_close(got[0], one[0], atol=2e-5, rtol=1e-5)
             torch.testing.assert_close(got[1], one[1], atol=1e-6, rtol=1e-6)
         ref = read_path.reference_body_partial(q, kb, vb, **args)
         torch.testing.assert_close(one[0], ref[0], atol=1e-5, rtol=1e-5)
