@@ -73,8 +73,8 @@ def select_body_partial(device, traceable: bool = False, differentiable: bool = 
 def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
     """Compile (or load from Numba's disk cache) the CPU body kernel and its layer-step variant for the default
     layouts of ``OscarCache`` and ``OscarScaledCache`` at each head_dim, so that the first fused step of a model
-    does not wait for them. Returns the (head_dim, key layout, value layout) compiled.
-    ``python -m hf_kvint2.backends`` runs it."""
+    does not wait for them (and the update's NaN/Inf check). Returns the (head_dim, key layout, value layout)
+    compiled. ``python -m hf_kvint2.backends`` runs it."""
     import torch
 
     if not cpu_kernels.available():
@@ -95,6 +95,10 @@ def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
             window = (torch.randn(1, 1, 2, d), torch.randn(1, 1, 2, d))
             cpu_kernels.layer_step_attention(torch.randn(1, 1, 1, d), window, *streams, window, scaling=d ** -0.5)
             done.append((d, recipe.key, recipe.value))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # the update's NaN/Inf check, as attention passes K/V
+        kv = torch.zeros(1, 2, 1, 4, dtype=dtype).transpose(1, 2)
+        cpu_kernels.all_finite(kv, kv)
+        cpu_kernels.all_finite(kv.contiguous(), kv.contiguous())
     return done
 
 

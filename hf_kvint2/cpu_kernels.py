@@ -13,7 +13,8 @@ Nothing of the size of a layer's full-precision K/V history is allocated.
 :func:`layer_step_attention` is the same kernel's variant for a whole decode step of a dynamic layer: it also
 rotates the query, attends the full-precision windows and merges everything in the original space (one call per
 layer instead of the read pipeline's small PyTorch ops). :func:`quantize_token_groups` is the write path's
-quantizer for per-token groups.
+quantizer for per-token groups, :func:`all_finite` the update's NaN/Inf check. The kernel reads scales, offsets
+and norms as stored (float16 / bfloat16 bits, widened in registers), not float32 copies of them.
 """
 
 from __future__ import annotations
@@ -101,6 +102,54 @@ if _NUMBA:
         two_n = pow2.view(np.float32)
         for k in range(x.shape[0]):
             x[k] = x[k] * two_n[k]
+
+
+if _NUMBA:
+    from llvmlite import ir as _llvm_ir
+    from numba.core import types as _nb_types
+    from numba.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _float32_from_bits(typingctx, bits):  # pragma: no cover
+        # The float32 whose IEEE bits are the low 32 bits of the integer ``bits`` (a register bit-cast).
+        if not isinstance(bits, _nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            width = v.type.width
+            if width > 32:
+                v = builder.trunc(v, _llvm_ir.IntType(32))
+            elif width < 32:
+                v = builder.zext(v, _llvm_ir.IntType(32))
+            return builder.bitcast(v, _llvm_ir.FloatType())
+
+        return _nb_types.float32(bits), codegen
+
+    @_intrinsic
+    def _float32_from_half_bits(typingctx, bits):  # pragma: no cover
+        # The float16 whose bits are the low 16 bits of the integer ``bits``, widened to float32 (exact; one
+        # conversion instruction on CPUs with F16C, and it vectorizes).
+        if not isinstance(bits, _nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if v.type.width != 16:
+                v = builder.trunc(v, _llvm_ir.IntType(16)) if v.type.width > 16 else builder.zext(v, _llvm_ir.IntType(16))
+            return builder.fpext(builder.bitcast(v, _llvm_ir.HalfType()), _llvm_ir.FloatType())
+
+        return _nb_types.float32(bits), codegen
+
+    @numba.njit(cache=True, nogil=True)
+    def _stored_value(x, kind):  # pragma: no cover
+        # A stored scale, offset or norm as float32, exactly: x holds the bits of a float16 (kind 0) or bfloat16
+        # (kind 1) value (int16), or the float32 value itself (kind 2).
+        if kind == 2:
+            return np.float32(x)
+        if kind == 1:
+            return _float32_from_bits((np.int32(x) & 0xFFFF) << 16)
+        return _float32_from_half_bits(x)
 
 
 if _NUMBA:
@@ -192,9 +241,12 @@ if _NUMBA:
 
 
 @functools.cache
-def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v_group: int, whole: bool = False):
+def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v_group: int, whole: bool = False,
+                 k_kind: int = 2, v_kind: int = 2):
     """The body kernel for one head_dim and pair of layouts: loop bounds are compile-time constants, so the
     per-token loops unroll and the four query rows of a pass vectorize (3x faster than runtime bounds).
+    ``k_kind`` / ``v_kind``: how the streams' scales, offsets and norms are stored (``_SCALE_KINDS``: the bits of
+    float16 / bfloat16, or float32), read as they are (no float32 copy of them per call).
     ``whole``: the layer-step variant (:func:`layer_step_attention`): it also rotates the query, attends the
     full-precision windows and merges them with the body in the original space."""
     d4 = d // 4
@@ -277,9 +329,22 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             scores = np.empty((ns, rp), np.float32)  # [token, query row]
             x = np.empty(d, np.float32)
             kct, kst, klt = kc[b, h], ks[b, h], kl[b, h]
+            # the split's token norms as float32, once (not per row chunk inside the loops that vectorize)
+            k_norm = np.ones(ns if has_kn else 0, np.float32)
+            v_norm = np.ones(ns if has_vn else 0, np.float32)
+            for i in range(k_norm.shape[0]):
+                k_norm[i] = _stored_value(kn[b, t0 + i], k_kind)
+            for i in range(v_norm.shape[0]):
+                v_norm[i] = _stored_value(vn[b, t0 + i], v_kind)
             # ---- scores
             if k_token_axis:
                 qs = qsum[bh]
+                k_scale_t = np.empty((ns, k_groups), np.float32)  # the split's per-token scales, as float32
+                k_lo_t = np.empty((ns, k_groups), np.float32)
+                for i in range(ns):
+                    for gi in range(k_groups):
+                        k_scale_t[i, gi] = _stored_value(kst[t0 + i, gi], k_kind)
+                        k_lo_t[i, gi] = _stored_value(klt[t0 + i, gi], k_kind)
                 for rc in range(n_chunks):  # four query rows in registers; codes re-read per chunk of rows
                     r0 = rc * LANES
                     lt = lut[bh, rc]
@@ -295,14 +360,14 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                                 a1 += lt[row, 1]
                                 a2 += lt[row, 2]
                                 a3 += lt[row, 3]
-                            sc = kst[t, gi]
-                            off = klt[t, gi]
+                            sc = k_scale_t[t - t0, gi]
+                            off = k_lo_t[t - t0, gi]
                             s0 += sc * a0 + off * qs[gi, r0]
                             s1 += sc * a1 + off * qs[gi, r0 + 1]
                             s2 += sc * a2 + off * qs[gi, r0 + 2]
                             s3 += sc * a3 + off * qs[gi, r0 + 3]
-                        norm = kn[b, t] if has_kn else one
                         i = t - t0
+                        norm = k_norm[i] if has_kn else one
                         scores[i, r0] = s0 * norm + b0
                         scores[i, r0 + 1] = s1 * norm + b1
                         scores[i, r0 + 2] = s2 * norm + b2
@@ -315,16 +380,20 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 q_perm = np.empty((rp, d), np.float32)
                 q_lo = np.empty(rp, np.float32)
                 planes = np.empty((4, k_group * d4), np.float32)
+                k_scale, k_lo = np.empty(d, np.float32), np.empty(d, np.float32)  # the group's, as float32
                 for g0 in range(t0, t1, k_group):
                     g1 = min(t1, g0 + k_group)
                     row = g0 // k_group
+                    for c in range(d):
+                        k_scale[c] = _stored_value(kst[row, c], k_kind)
+                        k_lo[c] = _stored_value(klt[row, c], k_kind)
                     for r in range(rp):
                         acc = np.float32(0.0)
                         for j in range(d4):
                             for i in range(4):
                                 c = 4 * j + i
-                                q_perm[r, i * d4 + j] = qt[r, c] * kst[row, c]
-                                acc += qt[r, c] * klt[row, c]
+                                q_perm[r, i * d4 + j] = qt[r, c] * k_scale[c]
+                                acc += qt[r, c] * k_lo[c]
                         q_lo[r] = acc
                     group_codes = kct[g0:g1].reshape(-1)
                     for k in range((g1 - g0) * d4):
@@ -334,7 +403,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         planes[2, k] = np.float32((v >> 4) & 3)
                         planes[3, k] = np.float32(v >> 6)
                     for t in range(g0, g1):
-                        norm = kn[b, t] if has_kn else one
+                        norm = k_norm[t - t0] if has_kn else one
                         base = (t - g0) * d4
                         for r in range(rp):
                             acc = np.float32(0.0)
@@ -372,15 +441,21 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 # bucket[j * 256 + byte, r] sums the weights of tokens whose byte j is `byte` (expanded at the merge)
                 bt = bucket[bh, s]
                 lo_acc = part_lo[bh, s]
+                v_scale_t = np.empty((ns, v_groups), np.float32)  # the split's per-token scales, as float32
+                v_lo_t = np.empty((ns, v_groups), np.float32)
+                for i in range(ns):
+                    for gi in range(v_groups):
+                        v_scale_t[i, gi] = _stored_value(vst[t0 + i, gi], v_kind)
+                        v_lo_t[i, gi] = _stored_value(vlt[t0 + i, gi], v_kind)
                 for rc in range(n_chunks):
                     r0 = rc * LANES
                     for t in range(t0, t1):
                         i = t - t0
-                        norm = vn[b, t] if has_vn else one
+                        norm = v_norm[i] if has_vn else one
                         p0, p1, p2, p3 = scores[i, r0], scores[i, r0 + 1], scores[i, r0 + 2], scores[i, r0 + 3]
                         for gi in range(v_groups):
-                            sc = vst[t, gi] * norm
-                            off = vlt[t, gi] * norm
+                            sc = v_scale_t[i, gi] * norm
+                            off = v_lo_t[i, gi] * norm
                             lo_acc[gi, r0] += p0 * off
                             lo_acc[gi, r0 + 1] += p1 * off
                             lo_acc[gi, r0 + 2] += p2 * off
@@ -395,14 +470,21 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                                 bt[row, r0 + 3] += w3
             else:
                 acc_v = part_acc[bh, s]
+                v_scale, v_lo = np.empty(d, np.float32), np.empty(d, np.float32)  # the group's, as float32
+                v_row = -1
                 for t in range(t0, t1):
                     row = t // v_group
-                    norm = vn[b, t] if has_vn else one
+                    if row != v_row:
+                        for c in range(d):
+                            v_scale[c] = _stored_value(vst[row, c], v_kind)
+                            v_lo[c] = _stored_value(vlt[row, c], v_kind)
+                        v_row = row
+                    norm = v_norm[t - t0] if has_vn else one
                     for j in range(d4):
                         byte = vct[t, j]
                         for i in range(4):
                             c = 4 * j + i
-                            x[c] = (table[byte, i] * vst[row, c] + vlt[row, c]) * norm
+                            x[c] = (table[byte, i] * v_scale[c] + v_lo[c]) * norm
                     for r in range(rp):
                         w = scores[t - t0, r]
                         for c in range(d):
@@ -497,14 +579,19 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
 
 
 def _body_arrays(body, batch: int):
-    """(codes [B, H, cap, D/4] uint8, scale, lo as fp32 [B, H, rows, X], norm fp32 [B, n] or [B, 0]) as numpy."""
-    n = body.tokens
+    """``((codes [B, H, cap, D/4] uint8, scale, lo [B, H, >= rows, X], norm [B, >= n] or [B, 0]) as numpy, kind)``:
+    scale, lo and norm as stored (int16 bits of float16 / bfloat16, or float32: ``kind``, see ``_SCALE_KINDS``),
+    the buffers themselves with their spare capacity (the kernel reads the rows in use); float32 copies if their
+    dtypes differ."""
     codes = body.codes if body.codes.is_contiguous() else body.codes.contiguous()
-    rows = body.rows_for(n)
-    scale = body.scale[:, :, :rows].float().contiguous()
-    lo = body.lo[:, :, :rows].float().contiguous()
-    norm = body.norm[:, :n].float().contiguous() if body.norm is not None else torch.zeros(batch, 0)
-    return codes.numpy(), scale.numpy(), lo.numpy(), norm.numpy()
+    stored = [t for t in (body.scale, body.lo, body.norm) if t is not None]
+    kind = _SCALE_KINDS.get(body.scale.dtype, 2)
+    if any(t.dtype != body.scale.dtype for t in stored) or body.scale.dtype not in _SCALE_KINDS:
+        kind, stored = 2, [t.float() for t in stored]
+    as_array = (lambda t: t.view(torch.int16).numpy()) if kind != 2 else (lambda t: t.numpy())
+    arrays = [as_array(t if t.is_contiguous() else t.contiguous()) for t in stored]
+    norm = arrays[2] if body.norm is not None else np.zeros((batch, 0), np.int16 if kind != 2 else np.float32)
+    return (codes.numpy(), arrays[0], arrays[1], norm), kind
 
 
 def _notice_compile(spec: tuple, seconds: float) -> None:
@@ -558,10 +645,10 @@ def _mask_rows(mask, b: int, cols: int) -> torch.Tensor:
     return add.expand(b, 1, add.shape[2], cols).reshape(b, -1, cols).contiguous()
 
 
-def _run_kernel(key_body, value_body, whole: bool, *args) -> None:
-    """The kernel for these layouts (compiled or loaded on first use) on torch's thread count."""
+def _run_kernel(key_body, value_body, whole: bool, kinds: tuple[int, int], *args) -> None:
+    """The kernel for these layouts and stored dtypes (compiled or loaded on first use) on torch's thread count."""
     spec = (key_body.codes.shape[-1] * 4, key_body.layout.axis == "token", key_body.group,
-            value_body.layout.axis == "token", value_body.group, whole)
+            value_body.layout.axis == "token", value_body.group, whole, *kinds)
     kernel = _make_kernel(*spec)
     torch_threads = torch.get_num_threads()
     threads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
@@ -601,12 +688,12 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     if key_mean_logits is not None:
         bias[:, :, :rows] = (scaling * key_mean_logits.detach().float()).reshape(b, hkv, rows)
     add = _mask_rows(mask, b, n)
-    kc, ks, kl, kn = _body_arrays(key_body, b)
-    vc, vs, vl, vn = _body_arrays(value_body, b)
+    (kc, ks, kl, kn), k_kind = _body_arrays(key_body, b)
+    (vc, vs, vl, vn), v_kind = _body_arrays(value_body, b)
     out = np.empty((b, hkv, padded, d), np.float32)
     lse = np.empty((b, hkv, padded), np.float32)
     rot, mean, window, _ = _unused(d)
-    _run_kernel(key_body, value_body, False, q.numpy(), bias.numpy(), add.numpy(), 0, lq, kc, ks, kl, kn, vc, vs,
+    _run_kernel(key_body, value_body, False, (k_kind, v_kind), q.numpy(), bias.numpy(), add.numpy(), 0, lq, kc, ks, kl, kn, vc, vs,
                 vl, vn, n, split, out, lse, np.float32(scaling), rot, mean, rot, mean, window, window, window, window)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
@@ -633,15 +720,15 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     n0 = k0.shape[2]
     q = query.detach().float().reshape(b, hkv, rows, d).contiguous()
     add = _mask_rows(mask, b, n0 + n + k1.shape[2])
-    kc, ks, kl, kn = _body_arrays(key_body, b)
-    vc, vs, vl, vn = _body_arrays(value_body, b)
+    (kc, ks, kl, kn), k_kind = _body_arrays(key_body, b)
+    (vc, vs, vl, vn), v_kind = _body_arrays(value_body, b)
     kcodec, vcodec = key_body.codec, value_body.codec
     _, none, _, no_bias = _unused(d)
     mean_k = none if kcodec.mean is None else kcodec.mean.contiguous().numpy()
     mean_v = none if vcodec.mean is None else vcodec.mean.contiguous().numpy()
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
-    _run_kernel(key_body, value_body, True, q.numpy(), no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
+    _run_kernel(key_body, value_body, True, (k_kind, v_kind), q.numpy(), no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
                 vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), kcodec.rotation.contiguous().numpy(),
                 mean_k, vcodec.rotation.contiguous().numpy(), mean_v, _window_array(k0), _window_array(v0),
                 _window_array(k1), _window_array(v1))
@@ -837,3 +924,40 @@ def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int
     if x.numel() and not biggest <= torch.finfo(scale_dtype).max:
         raise scale_range_error(float(biggest), scale_dtype)
     return QuantizedGroups(codes, scale, lo)
+
+
+# ------------------------------------------------------------------------------------------------- input checks
+# Every update's NaN/Inf check (hf_kvint2.layers.validate_kv) on CPU: one compiled pass over the new K and V,
+# reading the float bits (an all-ones exponent is NaN or Inf), instead of the ~5 PyTorch ops and host sync of the
+# reduction (~100 us per layer inside a decode step, where the model's weights have evicted them from the caches).
+_EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float16: (torch.int16, 0x7C00),
+                  torch.bfloat16: (torch.int16, 0x7F80)}
+
+if _NUMBA:
+    @numba.njit(cache=True, nogil=True)
+    def _count_nonfinite_in(x, exponent):  # pragma: no cover
+        # x: a rank-4 integer view of floats (any strides): elements whose exponent bits are all set (NaN, Inf)
+        bad = 0
+        for a in range(x.shape[0]):
+            for b in range(x.shape[1]):
+                for c in range(x.shape[2]):
+                    for e in range(x.shape[3]):
+                        bad += (x[a, b, c, e] & exponent) == exponent
+        return bad
+
+    @numba.njit(cache=True, nogil=True)
+    def _count_nonfinite(k_bits, v_bits, exponent):  # pragma: no cover
+        return _count_nonfinite_in(k_bits, exponent) + _count_nonfinite_in(v_bits, exponent)
+
+
+def finite_check_supports(x: torch.Tensor) -> bool:
+    """Whether :func:`all_finite` serves ``x``: rank-4 float32/float16/bfloat16 on CPU, eager."""
+    return (_NUMBA and x.device.type == "cpu" and x.dim() == 4 and x.dtype in _EXPONENT_BITS
+            and not torch.compiler.is_compiling())
+
+
+def all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """No NaN/Inf in ``k`` or ``v`` (of one dtype, each served by :func:`finite_check_supports`), by their
+    exponent bits."""
+    view, exponent = _EXPONENT_BITS[k.dtype]
+    return not _count_nonfinite(k.detach().view(view).numpy(), v.detach().view(view).numpy(), exponent)

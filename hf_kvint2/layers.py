@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import cpu_kernels
 from .distributed import TensorParallelShard
 from .key_basis import settled_key_codec
 from .padding import left_padding, position_ids_of_update
@@ -64,8 +65,11 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
 
 
 def _all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """No NaN/Inf in k or v. One reduction and one host sync per decode step: a NaN or Inf anywhere makes the fp32
-    sum non-finite; only then (or if finite values overflowed the sum) is every element checked."""
+    """No NaN/Inf in k or v. On CPU one compiled pass over their bits (:func:`~hf_kvint2.cpu_kernels.all_finite`);
+    elsewhere one reduction and one host sync per decode step: a NaN or Inf anywhere makes the fp32 sum
+    non-finite; only then (or if finite values overflowed the sum) is every element checked."""
+    if cpu_kernels.finite_check_supports(k) and cpu_kernels.finite_check_supports(v) and k.dtype == v.dtype:
+        return cpu_kernels.all_finite(k, v)
     total = k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32)
     return bool(torch.isfinite(total)) or bool(torch.isfinite(k).all() and torch.isfinite(v).all())
 
@@ -173,11 +177,12 @@ class OscarLayer(CacheLayerMixin):
         if to_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sink]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sink]], dim=-2)
-        if n_new > to_sink:
-            self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sink:]], dim=-2)
-            self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sink:]], dim=-2)
         try:
-            self._demote()
+            if n_new > to_sink and not self._demote_past_recent(key_states[:, :, to_sink:],
+                                                                value_states[:, :, to_sink:]):
+                self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sink:]], dim=-2)
+                self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sink:]], dim=-2)
+                self._demote()
         except ValueError as err:  # e.g. values too large for fp16 scales: reject the update, keep the cache as it was
             self.sink_k, self.sink_v, self.recent_k, self.recent_v = before
             self._truncate_body(self.body_len)
@@ -187,6 +192,31 @@ class OscarLayer(CacheLayerMixin):
         # attention implementations still get the full view from them); else the full view itself (hf_kvint2.steps).
         step = LayerStep(self, key_states, value_states)
         return step.output(like=step.tail_k)
+
+    def _demote_past_recent(self, new_k: torch.Tensor, new_v: torch.Tensor) -> bool:
+        """A decode step's demotion: if the tokens leaving the window (``new_k`` appended) are all past recent
+        tokens, demote them and append ``new_k`` in one concatenation (no copy of the window). False, changing
+        nothing, if not (a chunk overflowing the window, or keys whose basis is still open): see :meth:`_demote`."""
+        n_recent = self.recent_k.shape[-2]
+        overflow = n_recent + new_k.shape[-2] - self.recipe.recent_tokens
+        block = self.recipe.demotion_block
+        n = (overflow // block) * block if overflow > 0 else 0
+        if self.key_basis_open or not 0 < n <= n_recent:
+            return False
+        self._append_to_body(self.recent_k[:, :, :n], self.recent_v[:, :, :n])
+        self.recent_k = torch.cat([self.recent_k[:, :, n:], new_k], dim=-2)
+        self.recent_v = torch.cat([self.recent_v[:, :, n:], new_v], dim=-2)
+        return True
+
+    def _append_to_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize whole demotion blocks ``k``/``v`` into the body (in steps: see ``QUANTIZE_BLOCK_TOKENS``)."""
+        block = self.recipe.demotion_block
+        n = k.shape[-2]
+        step = max(block, QUANTIZE_BLOCK_TOKENS // block * block)  # whole demotion blocks: same groups, same codes
+        for start in range(0, n, step):
+            self.key_body.append(k[:, :, start:min(start + step, n)])
+            self.value_body.append(v[:, :, start:min(start + step, n)])
+        self.body_len += n
 
     def _demote(self) -> None:
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
@@ -200,14 +230,10 @@ class OscarLayer(CacheLayerMixin):
             if self.recipe.key.axis == "channel":
                 self._settle_keys(self.recent_k[:, :, :n])
             self.key_basis_open = False
-        step = max(block, QUANTIZE_BLOCK_TOKENS // block * block)  # whole demotion blocks: same groups, same codes
-        for start in range(0, n, step):
-            self.key_body.append(self.recent_k[:, :, start:min(start + step, n)])
-            self.value_body.append(self.recent_v[:, :, start:min(start + step, n)])
+        self._append_to_body(self.recent_k[:, :, :n], self.recent_v[:, :, :n])
         # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()
-        self.body_len += n
 
     def _settle_keys(self, keys: torch.Tensor) -> None:
         """Uncalibrated keys, before the first demotion: the key codec of this layer from ``keys``

@@ -187,6 +187,26 @@ def test_nonfinite_input_to_a_layer_names_the_layer(bad):
         cache.update(v, k, 1)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_finite_check_agrees_with_torch(dtype):
+    """The update's compiled NaN/Inf check (float bits) == torch.isfinite, on strided and contiguous K/V, at the
+    dtype's largest finite value and its subnormals."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 7, 3, 8, generator=g).to(dtype).transpose(1, 2)  # [B, H, T, D] as attention makes it
+    v = k.contiguous()
+    assert cpu_kernels.finite_check_supports(k) and cpu_kernels.all_finite(k, v)
+    info = torch.finfo(dtype)
+    for special in (info.max, -info.max, info.tiny / 4, 0.0):
+        assert cpu_kernels.all_finite(torch.full_like(v, special), k)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in [(0, 0, 0, 0), (1, 2, 6, 7)]:
+            x = k.clone()
+            x[at] = bad
+            assert not cpu_kernels.all_finite(v, x) and not cpu_kernels.all_finite(x, v)
+    assert not cpu_kernels.finite_check_supports(k.double()) and not cpu_kernels.finite_check_supports(k[0])
+
+
 @pytest.mark.parametrize("make", [lambda **kw: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8, **kw),
                                   lambda **kw: OscarCache(sink_tokens=4, recent_tokens=8, **kw)])
 def test_fp16_scale_overflow_in_a_cache_names_the_layer_and_rejects_the_update(make):
