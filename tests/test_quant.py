@@ -288,3 +288,18 @@ def test_compiled_token_quantizer_is_bit_identical_to_the_torch_ops(scale_dtype)
     nan[0, 0, 1, 3] = float("nan")
     with pytest.raises(ValueError, match="do not fit"):
         cpu_kernels.quantize_token_groups(nan, 0.9, 16, scale_dtype)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_reads_every_stored_16_bit_value_exactly(dtype):
+    """The body kernel widens stored scales/offsets/norms from their 16-bit bits in registers: every one of the
+    65536 bit patterns reads back as torch's float32 value of it, bit for bit (signed zeros, subnormals, the
+    largest values; NaN as NaN)."""
+    bits = np.arange(-32768, 32768, dtype=np.int32).astype(np.int16)
+    want = torch.from_numpy(bits.copy()).view(dtype).float().numpy()
+    kind = cpu_kernels._SCALE_KINDS[dtype]
+    got = np.array([cpu_kernels._stored_value(b, kind) for b in bits], np.float32)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[finite].view(np.int32), want[finite].view(np.int32))
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
