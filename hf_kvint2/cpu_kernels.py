@@ -105,6 +105,7 @@ if _NUMBA:
 
 
 if _NUMBA:
+    import llvmlite.binding as llvmlite_binding
     from llvmlite import ir as _llvm_ir
     from numba.core import types as _nb_types
     from numba.extending import intrinsic as _intrinsic
@@ -141,6 +142,21 @@ if _NUMBA:
 
         return _nb_types.float32(bits), codegen
 
+    _TWO_POW_112 = np.float32(2.0 ** 112)
+
+    @numba.njit(cache=True, nogil=True)
+    def _float32_from_half_bits_portable(x):  # pragma: no cover
+        # The same without F16C (where LLVM would call a runtime helper for fpext): exponent and mantissa moved to
+        # float32's positions, scaled by 2^112 (the exponent bias difference; exact, subnormals included), for
+        # finite values (what the write path stores).
+        h = np.int64(x) & 0xFFFF
+        f = _float32_from_bits((h & 0x7FFF) << 13) * _TWO_POW_112
+        return -f if h & 0x8000 else f
+
+    # F16C on the CPU Numba compiles for (the host, unless NUMBA_CPU_NAME names another)
+    _F16C = numba.config.CPU_NAME is None and "+f16c" in llvmlite_binding.get_host_cpu_features().flatten().split(",")
+    _widen_half = _float32_from_half_bits if _F16C else _float32_from_half_bits_portable
+
     @numba.njit(cache=True, nogil=True)
     def _stored_value(x, kind):  # pragma: no cover
         # A stored scale, offset or norm as float32, exactly: x holds the bits of a float16 (kind 0) or bfloat16
@@ -149,7 +165,7 @@ if _NUMBA:
             return np.float32(x)
         if kind == 1:
             return _float32_from_bits((np.int32(x) & 0xFFFF) << 16)
-        return _float32_from_half_bits(x)
+        return _widen_half(x)
 
 
 if _NUMBA:
