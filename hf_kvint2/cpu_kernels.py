@@ -110,6 +110,12 @@ if _NUMBA:
     from numba.core import types as _nb_types
     from numba.extending import intrinsic as _intrinsic
 
+    def _low_bits(builder, v, width: int):
+        # the integer value v cut or zero-extended to `width` bits (LLVM IR)
+        if v.type.width > width:
+            return builder.trunc(v, _llvm_ir.IntType(width))
+        return builder.zext(v, _llvm_ir.IntType(width)) if v.type.width < width else v
+
     @_intrinsic
     def _float32_from_bits(typingctx, bits):  # pragma: no cover
         # The float32 whose IEEE bits are the low 32 bits of the integer ``bits`` (a register bit-cast).
@@ -117,13 +123,7 @@ if _NUMBA:
             return None
 
         def codegen(context, builder, signature, args):
-            v = args[0]
-            width = v.type.width
-            if width > 32:
-                v = builder.trunc(v, _llvm_ir.IntType(32))
-            elif width < 32:
-                v = builder.zext(v, _llvm_ir.IntType(32))
-            return builder.bitcast(v, _llvm_ir.FloatType())
+            return builder.bitcast(_low_bits(builder, args[0], 32), _llvm_ir.FloatType())
 
         return _nb_types.float32(bits), codegen
 
@@ -135,10 +135,8 @@ if _NUMBA:
             return None
 
         def codegen(context, builder, signature, args):
-            v = args[0]
-            if v.type.width != 16:
-                v = builder.trunc(v, _llvm_ir.IntType(16)) if v.type.width > 16 else builder.zext(v, _llvm_ir.IntType(16))
-            return builder.fpext(builder.bitcast(v, _llvm_ir.HalfType()), _llvm_ir.FloatType())
+            half = builder.bitcast(_low_bits(builder, args[0], 16), _llvm_ir.HalfType())
+            return builder.fpext(half, _llvm_ir.FloatType())
 
         return _nb_types.float32(bits), codegen
 
@@ -166,6 +164,19 @@ if _NUMBA:
         if kind == 1:
             return _float32_from_bits((np.int32(x) & 0xFFFF) << 16)
         return _widen_half(x)
+
+
+    @numba.njit(cache=True, nogil=True)
+    def _stored_rows(scale, lo, t0, n, groups, kind):  # pragma: no cover
+        # A split's per-token scales and offsets (rows t0 .. t0 + n of [tokens, groups]) as float32, once, so that
+        # the loops that vectorize read float32 (not widened values per row chunk)
+        scale_f = np.empty((n, groups), np.float32)
+        lo_f = np.empty((n, groups), np.float32)
+        for i in range(n):
+            for gi in range(groups):
+                scale_f[i, gi] = _stored_value(scale[t0 + i, gi], kind)
+                lo_f[i, gi] = _stored_value(lo[t0 + i, gi], kind)
+        return scale_f, lo_f
 
 
 if _NUMBA:
@@ -355,12 +366,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             # ---- scores
             if k_token_axis:
                 qs = qsum[bh]
-                k_scale_t = np.empty((ns, k_groups), np.float32)  # the split's per-token scales, as float32
-                k_lo_t = np.empty((ns, k_groups), np.float32)
-                for i in range(ns):
-                    for gi in range(k_groups):
-                        k_scale_t[i, gi] = _stored_value(kst[t0 + i, gi], k_kind)
-                        k_lo_t[i, gi] = _stored_value(klt[t0 + i, gi], k_kind)
+                k_scale_t, k_lo_t = _stored_rows(kst, klt, t0, ns, k_groups, k_kind)
                 for rc in range(n_chunks):  # four query rows in registers; codes re-read per chunk of rows
                     r0 = rc * LANES
                     lt = lut[bh, rc]
@@ -457,12 +463,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 # bucket[j * 256 + byte, r] sums the weights of tokens whose byte j is `byte` (expanded at the merge)
                 bt = bucket[bh, s]
                 lo_acc = part_lo[bh, s]
-                v_scale_t = np.empty((ns, v_groups), np.float32)  # the split's per-token scales, as float32
-                v_lo_t = np.empty((ns, v_groups), np.float32)
-                for i in range(ns):
-                    for gi in range(v_groups):
-                        v_scale_t[i, gi] = _stored_value(vst[t0 + i, gi], v_kind)
-                        v_lo_t[i, gi] = _stored_value(vlt[t0 + i, gi], v_kind)
+                v_scale_t, v_lo_t = _stored_rows(vst, vlt, t0, ns, v_groups, v_kind)
                 for rc in range(n_chunks):
                     r0 = rc * LANES
                     for t in range(t0, t1):
