@@ -198,15 +198,18 @@ class OscarLayer(CacheLayerMixin):
         tokens, demote them and append ``new_k`` in one concatenation (no copy of the window). False, changing
         nothing, if not (a chunk overflowing the window, or keys whose basis is still open): see :meth:`_demote`."""
         n_recent = self.recent_k.shape[-2]
-        overflow = n_recent + new_k.shape[-2] - self.recipe.recent_tokens
-        block = self.recipe.demotion_block
-        n = (overflow // block) * block if overflow > 0 else 0
+        n = self._whole_blocks(n_recent + new_k.shape[-2] - self.recipe.recent_tokens)
         if self.key_basis_open or not 0 < n <= n_recent:
             return False
         self._append_to_body(self.recent_k[:, :, :n], self.recent_v[:, :, :n])
         self.recent_k = torch.cat([self.recent_k[:, :, n:], new_k], dim=-2)
         self.recent_v = torch.cat([self.recent_v[:, :, n:], new_v], dim=-2)
         return True
+
+    def _whole_blocks(self, overflow: int) -> int:
+        """Tokens that leave a window ``overflow`` tokens over its size: whole demotion blocks of them."""
+        block = self.recipe.demotion_block
+        return (overflow // block) * block if overflow > 0 else 0
 
     def _append_to_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole demotion blocks ``k``/``v`` into the body (in steps: see ``QUANTIZE_BLOCK_TOKENS``)."""
@@ -222,8 +225,7 @@ class OscarLayer(CacheLayerMixin):
         overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
         if self.key_basis_open and self.recipe.key.axis == "token" and overflow > 0 and not tracing():
             self._settle_keys(self.recent_k[:, :, :overflow])  # may switch to per-channel groups: a new block
-        block = self.recipe.demotion_block
-        n = (overflow // block) * block if overflow > 0 else 0
+        n = self._whole_blocks(overflow)  # after the settling: it may change the demotion block
         if n <= 0:
             return
         if self.key_basis_open and not tracing():  # settled once, by the first demotion (the eager prefill)
