@@ -79,11 +79,17 @@ def memory(config, context: int) -> list[dict]:
     window = next(p.window for p in plan if p.window)
     makers = {"DynamicCache": lambda: DynamicCache(config=config),
               "OscarScaledCache": lambda: OscarScaledCache(config=config),
-              "OscarCache": lambda: OscarCache(config=config)}
+              "OscarCache": lambda: OscarCache(config=config),
+              # the sliding windows stored in 16 bits (sliding_window_dtype): only a float32 model's shrink
+              "OscarScaledCache, 16-bit windows": lambda: OscarScaledCache(config=config,
+                                                                          sliding_window_dtype=torch.float16),
+              "OscarCache, 16-bit windows": lambda: OscarCache(config=config, sliding_window_dtype=torch.float16)}
     rows = []
     for dtype in tqdm((torch.float32, torch.bfloat16), desc=f"memory at {context} tokens"):
         base = None
         for name, make in makers.items():
+            if "16-bit windows" in name and dtype != torch.float32:
+                continue
             cache = make()
             _fill(cache, shape, context, dtype)
             if name == "DynamicCache":
@@ -262,11 +268,12 @@ def export(model, tokenizer, prompt_tokens: int, steps: int) -> dict:
 
 
 def window_quality(model, tokenizer, num_windows: int, window: int = 2048, prefill: int = 512,
-                   chunk: int = 32) -> list[dict]:
+                   chunk: int = 32, only: set | None = None) -> list[dict]:
     """Perplexity cost of quantizing the sliding windows: each cache built with ``config=`` (windows in full
     precision) against the same cache built without it under SDPA, which quantizes every layer's whole history;
     the sliding mask hides a sliding layer's tokens older than the window, so what those layers attend to is then
-    exactly a quantized window (INT2 body + the cache's recent tokens at full precision)."""
+    exactly a quantized window (INT2 body + the cache's recent tokens at full precision). And the windows stored
+    in 16 bits (``sliding_window_dtype``)."""
     import math
     import warnings
 
@@ -283,7 +290,17 @@ def window_quality(model, tokenizer, num_windows: int, window: int = 2048, prefi
                "OscarScaledCache, windows full precision": lambda: OscarScaledCache(config=model.config),
                "OscarScaledCache, windows quantized": lambda: OscarScaledCache(),
                "OscarCache, windows full precision": lambda: OscarCache(config=model.config),
-               "OscarCache, windows quantized": lambda: OscarCache()}
+               "OscarCache, windows quantized": lambda: OscarCache(),
+               "OscarScaledCache, windows float16": lambda: OscarScaledCache(config=model.config,
+                                                                             sliding_window_dtype=torch.float16),
+               "OscarScaledCache, windows bfloat16": lambda: OscarScaledCache(config=model.config,
+                                                                              sliding_window_dtype=torch.bfloat16),
+               "OscarCache, windows float16": lambda: OscarCache(config=model.config,
+                                                                 sliding_window_dtype=torch.float16),
+               "OscarCache, windows bfloat16": lambda: OscarCache(config=model.config,
+                                                                  sliding_window_dtype=torch.bfloat16)}
+    if only:  # a subset by name (the full-precision baseline always runs: the ratios are against it)
+        methods = {k: v for i, (k, v) in enumerate(methods.items()) if i == 0 or k in only}
     rows = []
     for name, make in tqdm(methods.items(), desc=f"perplexity, {num_windows} x {window} tokens"):
         nll, count = 0.0, 0
@@ -314,10 +331,10 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=False, gridspec_kw={"width_ratios": [5, 3]})
     for ax, dtype in zip(axes, ("float32", "bfloat16")):
         sel = [r for r in rows if r["dtype"] == dtype]
-        names = [r["cache"] for r in sel]
+        names = [r["cache"].replace(", ", "\n") for r in sel]
         full = [r["full_attention_bytes"] / 2**20 for r in sel]
         slide = [r["sliding_bytes"] / 2**20 for r in sel]
         ax.bar(names, full, label="full-attention layers")
@@ -326,6 +343,7 @@ def plot(rows, path):
             ax.text(i, full[i] + slide[i], f"{100 * r['ratio_to_dynamic']:.1f}%", ha="center", va="bottom")
         ax.set_title(f"Gemma 3 270M, {sel[0]['tokens']} tokens, {dtype} K/V")
         ax.set_ylabel("MiB held")
+        ax.tick_params(axis="x", labelsize=8)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -340,6 +358,8 @@ def main():
     p.add_argument("--export-prompt", type=int, default=560, help="tokens prefilled before the exported steps")
     p.add_argument("--export-steps", type=int, default=16, help="decode steps compared with the exported program")
     p.add_argument("--quality-windows", type=int, default=2, help="2048-token windows of Emma (window_quality)")
+    p.add_argument("--quality-methods", default=None,
+                   help="comma-separated window_quality rows to run (default: all); results merge by name")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--out", default=str(OUT / "hybrid_gemma3.json"), help="result JSON (parts not run are kept)")
     args = p.parse_args()
@@ -359,7 +379,8 @@ def main():
                              "machine": platform.machine()}
     command = (f"python benchmarks/hybrid_gemma3.py --parts {args.parts} --context {args.context} --prompt-tokens "
                f"{args.prompt_tokens} --export-prompt {args.export_prompt} --export-steps {args.export_steps} "
-               f"--quality-windows {args.quality_windows} --threads {args.threads}")
+               f"--quality-windows {args.quality_windows} --threads {args.threads}"
+               + (f" --quality-methods '{args.quality_methods}'" if args.quality_methods else ""))
     result.setdefault("commands", {}).update({part: command for part in parts})
     model, tokenizer = load_gemma3(torch.float32, attn_implementation="sdpa")
     if "memory" in parts:
@@ -377,7 +398,13 @@ def main():
         bad = [r for r in result["generate"] if not r["same_tokens"]]
         print(f"generate: {len(result['generate']) - len(bad)}/{len(result['generate'])} runs give DynamicCache's tokens")
     if "window_quality" in parts:
-        result["window_quality"] = window_quality(model, tokenizer, args.quality_windows)
+        only = set(args.quality_methods.split(",")) if args.quality_methods else None
+        rows = window_quality(model, tokenizer, args.quality_windows, only=only)
+        if only:  # keep the earlier rows of the same protocol that were not rerun
+            kept = [r for r in result.get("window_quality", []) if r["cache"] not in {x["cache"] for x in rows}
+                    and r["windows"] == args.quality_windows]
+            rows = rows[:1] + kept + rows[1:]
+        result["window_quality"] = rows
         for r in result["window_quality"]:
             print(f"{r['cache']:>42}: perplexity {r['perplexity']:.3f} ({100 * r['vs_full_precision']:+.2f}%)")
     if "export" in parts:

@@ -58,8 +58,10 @@ class OscarCacheBase(Cache):
 
     artifact_info: dict | None = None  # the recorded model shapes of a loaded artifact (checked at first update)
 
-    def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None, tp_group=None):
+    def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None, tp_group=None,
+                 window_dtype: torch.dtype | None = None):
         self._recipe_for_layer = recipe_for_layer
+        self.window_dtype = window_dtype  # what sliding-window layers store their window in (None: the K/V dtype)
         self.config = config
         # Tensor parallelism (transformers' tp_plan): this rank's KV heads; None for a whole model.
         self.shard = resolve_shard(config, tp_group)
@@ -74,7 +76,7 @@ class OscarCacheBase(Cache):
         return OscarLayer(self._recipe_for_layer(idx), idx, self.shard)
 
     def _window_layer(self, window: int) -> WindowLayer:
-        layer = WindowLayer(sliding_window=window)
+        layer = WindowLayer(sliding_window=window, storage_dtype=self.window_dtype)
         if getattr(self, "_recording_past", False):  # asked for before this layer existed (assisted decoding)
             layer.activate_past_recording()
         return layer
@@ -205,7 +207,7 @@ class OscarScaledCache(CacheHubMixin, OscarCacheBase):
         self.artifact_info, self.quality = artifact_info, quality
         self._recipe = self.settings.recipe()
         # A bound method, not a closure: caches pickle and deepcopy like DynamicCache.
-        super().__init__(self._layer_recipe, config, tp_group)
+        super().__init__(self._layer_recipe, config, tp_group, self.settings.sliding_window_dtype)
 
     def _layer_recipe(self, idx: int) -> LayerRecipe:
         return self._recipe
@@ -256,7 +258,7 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
         # The settings and calibration of construction time; a bound method, not a closure: caches pickle and
         # deepcopy like DynamicCache.
         self._recipe_sources = (self.settings, self.calibration)
-        super().__init__(self._layer_recipe, config, tp_group)
+        super().__init__(self._layer_recipe, config, tp_group, self.settings.sliding_window_dtype)
         if self.shard is not None:  # fail before generate if the calibration cannot be split over the ranks
             for name in ("key_means", "value_means"):
                 for idx, mean in enumerate(getattr(self.calibration, name) or ()):

@@ -26,6 +26,8 @@ from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
 
 SETTINGS_VERSION = 1  # the artifact format_version whose settings dict to_dict writes
 SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# What a sliding-window layer may store its window in (sliding_window_dtype; None: the K/V dtype).
+WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class SettingsError(ValueError):
@@ -47,6 +49,7 @@ KINDS = {  # kind -> (check, what the error says is expected)
     "optional_positive_int": (lambda v: v is None or (_is_int(v) and v > 0), "a positive int or None"),
     "bool": (lambda v: isinstance(v, bool), "a bool (True or False)"),
     "scale_dtype": (lambda v: v in SCALE_DTYPES, f"one of {SCALE_DTYPES}"),
+    "window_dtype": (lambda v: v is None or v in WINDOW_DTYPES, f"None or one of {WINDOW_DTYPES}"),
     "clip": (lambda v: v is None or _is_ratio(v) or (isinstance(v, tuple) and len(v) > 0 and all(
         x is None or _is_ratio(x) for x in v)), "a clip ratio in (0, 1], None, or a per-layer sequence of them"),
 }
@@ -130,11 +133,13 @@ class _Settings:
                                 f"{sorted(cls.field_names())}); was it written by a newer hf_kvint2?")
         values = dict(data)
         check_setting_bounds(values, where)
-        if "scale_dtype" in values:
-            if not isinstance(values["scale_dtype"], str) or values["scale_dtype"] not in SCALE_DTYPE_NAMES:
-                raise SettingsError(f"{where}: scale_dtype {values['scale_dtype']!r} is not one of "
-                                    f"{sorted(SCALE_DTYPE_NAMES)}.")
-            values["scale_dtype"] = SCALE_DTYPE_NAMES[values["scale_dtype"]]
+        for name, optional in (("scale_dtype", False), ("sliding_window_dtype", True)):
+            if name not in values or (optional and values[name] is None):
+                continue
+            if not isinstance(values[name], str) or values[name] not in SCALE_DTYPE_NAMES:
+                raise SettingsError(f"{where}: {name} {values[name]!r} is not one of {sorted(SCALE_DTYPE_NAMES)}"
+                                    f"{' or null' if optional else ''}.")
+            values[name] = SCALE_DTYPE_NAMES[values[name]]
         for name in ("k_clip", "v_clip"):
             if isinstance(values.get(name), list):
                 values[name] = tuple(values[name])
@@ -145,6 +150,9 @@ class _Settings:
 
 
 # ---------------------------------------------------------------------------------------------- the caches
+# Settings of the cache's sliding-window layers, not of the quantized layers' recipe.
+CACHE_LEVEL_SETTINGS = ("sliding_window_dtype",)
+
 @dataclass(frozen=True)
 class OscarScaledSettings(_Settings):
     """OScaR (SPEC 4): block Hadamard rotation, keys per channel over token groups with omni-token scaling (both
@@ -152,7 +160,8 @@ class OscarScaledSettings(_Settings):
     full-precision recent window, and a 64-token full-precision sink (not in the paper, whose recipe is
     ``sink_tokens=0``: models with attention sinks lose a point of perplexity without it, docs/results.md).
     ``key_group_size`` / ``value_group_size`` default to ``group_size``; ``hadamard_block``
-    to the largest power of two dividing head_dim."""
+    to the largest power of two dividing head_dim. ``sliding_window_dtype``: the dtype sliding-window layers store
+    their window in (None: the K/V dtype; :class:`~hf_kvint2.window_layer.WindowLayer`)."""
 
     sink_tokens: int = field(default=64, metadata={"kind": "non_negative_int"})
     recent_tokens: int = field(default=128, metadata={"kind": "non_negative_int"})
@@ -162,15 +171,18 @@ class OscarScaledSettings(_Settings):
     hadamard_block: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
     token_scaling: bool = field(default=True, metadata={"kind": "bool"})
     scale_dtype: torch.dtype = field(default=torch.float16, metadata={"kind": "scale_dtype"})
+    sliding_window_dtype: torch.dtype | None = field(default=None, metadata={"kind": "window_dtype"})
 
     def recipe(self) -> LayerRecipe:
-        return oscar_scaled_recipe(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return oscar_scaled_recipe(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                      if f.name not in CACHE_LEVEL_SETTINGS})
 
 
 @dataclass(frozen=True)
 class OscarSettings(_Settings):
     """OSCAR (SPEC 3): windows, the per-token group size (capped at head_dim) and the clip ratios of keys and
-    values (one ratio, None for no clipping, or one per layer)."""
+    values (one ratio, None for no clipping, or one per layer). ``sliding_window_dtype``: the dtype
+    sliding-window layers store their window in (None: the K/V dtype; :class:`~hf_kvint2.window_layer.WindowLayer`)."""
 
     k_clip: float | tuple[float | None, ...] | None = field(default=0.96, metadata={"kind": "clip"})
     v_clip: float | tuple[float | None, ...] | None = field(default=0.92, metadata={"kind": "clip"})
@@ -178,6 +190,7 @@ class OscarSettings(_Settings):
     recent_tokens: int = field(default=256, metadata={"kind": "non_negative_int"})
     group_size: int = field(default=128, metadata={"kind": "positive_int"})
     scale_dtype: torch.dtype = field(default=torch.float16, metadata={"kind": "scale_dtype"})
+    sliding_window_dtype: torch.dtype | None = field(default=None, metadata={"kind": "window_dtype"})
 
     def __post_init__(self):
         for name in ("k_clip", "v_clip"):  # a per-layer list is stored as a tuple (frozen, hashable)

@@ -19,17 +19,18 @@ class StaticOscarCache(Cache):
     """A transformers ``Cache`` of :class:`StaticOscarLayer` s, one per full-attention layer, with the recipes of an
     :class:`~hf_kvint2.OscarCache` or :class:`~hf_kvint2.OscarScaledCache`, and a full-precision
     :class:`~hf_kvint2.window_layer.StaticWindowLayer` (a ring of ``min(sliding_window, max_cache_len)`` slots) per
-    sliding-window layer (:func:`hf_kvint2.model_config.layer_plan`, as in the dynamic caches).
+    sliding-window layer (:func:`hf_kvint2.model_config.layer_plan`, as in the dynamic caches; ``window_dtype``:
+    the rings' dtype, None for the K/V dtype, like the dynamic caches' ``sliding_window_dtype``).
 
     ``StaticOscarCache.from_cache(cache, config, max_cache_len)`` takes the recipes (rotations, clips, means,
-    per-layer layouts, windows) of a dynamic cache, e.g. ``OscarCache.from_pretrained(...)``. Layers are allocated
+    per-layer layouts, windows, window dtype) of a dynamic cache, e.g. ``OscarCache.from_pretrained(...)``. Layers are allocated
     at the first ``update`` or by ``early_initialization(batch_size, kv_heads, head_dim, dtype, device)`` (needed
     before ``torch.export``). Positions come from ``cumulative_length`` (transformers >= 5.24) or the
     ``cache_position`` that older versions pass to ``update``.
     """
 
     def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config, max_cache_len: int,
-                 attention_block: int = BODY_BLOCK_TOKENS):
+                 attention_block: int = BODY_BLOCK_TOKENS, window_dtype: torch.dtype | None = None):
         if config is None:
             raise ValueError("StaticOscarCache needs the model config (config=model.config) to size its layers.")
         layers = []
@@ -39,7 +40,7 @@ class StaticOscarCache(Cache):
                     raise ValueError(f"Layer {idx} of this model is of type {plan.layer_type!r}; the static Oscar "
                                      "cache supports full-attention and sliding-window layers. Use OscarCache "
                                      "(dynamic) for this model.")
-                layers.append(StaticWindowLayer(max_cache_len, plan.window, idx))
+                layers.append(StaticWindowLayer(max_cache_len, plan.window, idx, window_dtype))
             else:
                 layers.append(StaticOscarLayer(recipe_for_layer(idx), max_cache_len, idx, attention_block))
         self._max_cache_len = max_cache_len
@@ -66,7 +67,7 @@ class StaticOscarCache(Cache):
         if info.get("num_layers") not in (None, n):
             raise ValueError(f"The calibration artifact has num_layers={info['num_layers']} but the model has {n}: "
                              "load the artifact calibrated for this model.")
-        return cls(recipe_for_layer, config, max_cache_len, attention_block)
+        return cls(recipe_for_layer, config, max_cache_len, attention_block, getattr(cache, "window_dtype", None))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):

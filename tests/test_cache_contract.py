@@ -440,6 +440,16 @@ def test_settings_dict_round_trip_and_errors():
         OscarSettings.from_dict({}, version=2)
     with pytest.raises(SettingsError, match="token_scaling must be a bool"):
         OscarScaledSettings.from_dict({"token_scaling": "false"})
+    narrow = OscarScaledSettings(sliding_window_dtype=torch.bfloat16)
+    assert narrow.to_dict()["sliding_window_dtype"] == "bfloat16" and OscarScaledSettings().to_dict()[
+        "sliding_window_dtype"] is None
+    assert OscarScaledSettings.from_dict(narrow.to_dict()) == narrow
+    assert OscarSettings.from_dict({"sliding_window_dtype": None}) == OscarSettings()
+    assert narrow.recipe() == OscarScaledSettings().recipe()  # a cache-level setting: the INT2 layers are the same
+    with pytest.raises(SettingsError, match="sliding_window_dtype 'int8' is not one of"):
+        OscarSettings.from_dict({"sliding_window_dtype": "int8"})
+    with pytest.raises(SettingsError, match="sliding_window_dtype must be None or one of"):
+        OscarSettings(sliding_window_dtype=torch.int8)
     with pytest.raises(TypeError, match="recent_tokenz"):
         OscarScaledCache(recent_tokenz=3)
     cache = OscarScaledCache(settings=OscarScaledSettings(group_size=16), sink_tokens=0, recent_tokens=8)

@@ -13,6 +13,7 @@ import torch
 from test_cache_contract import MODES
 from test_gemma3 import LAYER_TYPES, tiny_gemma3
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_kvint2  # noqa: F401  (registers "oscar")
 import hf_kvint2.cache as cache_module
@@ -22,7 +23,7 @@ from hf_kvint2.layers import OscarLayer
 from hf_kvint2.model_config import QUANTIZED, WINDOWED, layer_plan, quantized_layers
 from hf_kvint2.static_cache import StaticOscarCache
 from hf_kvint2.transforms import block_hadamard_matrix
-from hf_kvint2.window_layer import StaticWindowLayer, WindowLayer
+from hf_kvint2.window_layer import StaticWindowLayer, WindowLayer, window_memory_bytes
 
 pytestmark = pytest.mark.usefixtures("module_single_thread")
 
@@ -205,11 +206,14 @@ def test_static_cache_with_sliding_layers_matches_dynamic_and_exports(model, kin
     model.set_attn_implementation("oscar")
     ids = _ids(PROMPT + STEPS)
     want = _logits(model, KINDS[kind](config=model.config), ids, PROMPT)
-    module = OscarExportableModule(model, KINDS[kind](), max_cache_len=MAX_LEN, attention_block=16)
+    # OScaR's exported with its windows in float16 (sliding_window_dtype): the rings trace like float32 ones
+    extra = {"sliding_window_dtype": torch.float16} if kind == "scaled" else {}
+    module = OscarExportableModule(model, KINDS[kind](**extra), max_cache_len=MAX_LEN, attention_block=16)
     try:
         layers = module.static_cache.layers
         assert [type(layer).__name__ for layer in layers] == ["StaticWindowLayer", "StaticOscarLayer"] * 2
         assert layers[0].ring_k.shape[-2] == WINDOW
+        assert layers[0].ring_k.dtype == extra.get("sliding_window_dtype", torch.float32)
         states, eager = [], []
         with torch.no_grad():
             eager.append(module.prefill(ids[:, :PROMPT])[:, -1:])
@@ -268,3 +272,66 @@ def test_static_window_layer_reads_the_window(model):
         layer.crop(-1)
     with pytest.raises(ValueError, match="beyond max_cache_len=64"):
         layer.update(torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16))
+
+
+# ---------------------------------------------------------------------------------------------- 16-bit windows
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_window_layer_stores_its_window_narrower(dtype):
+    """storage_dtype: the window is stored in half the bytes of float32; the attention reads the past window widened
+    from what is stored and the step's own tokens exactly as they came; positions and masks are transformers'."""
+    g = torch.Generator().manual_seed(0)
+    k, v = 3 * torch.randn(1, 2, 40, 16, generator=g), 3 * torch.randn(1, 2, 40, 16, generator=g)
+    layer, ref = WindowLayer(sliding_window=8, storage_dtype=dtype), DynamicSlidingWindowLayer(sliding_window=8)
+    keys, values = layer.update(k[:, :, :20], v[:, :, :20])
+    ref.update(k[:, :, :20], v[:, :, :20])
+    assert torch.equal(keys, k[:, :, :20]) and torch.equal(values, v[:, :, :20])  # nothing stored before: exact
+    for t in range(20, 40):
+        keys, values = layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        ref.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        assert keys.dtype == values.dtype == torch.float32
+        for got, want in ((keys, k), (values, v)):
+            assert torch.equal(got[:, :, -1:], want[:, :, t:t + 1])
+            assert torch.equal(got[:, :, :-1], want[:, :, t - 7:t].to(dtype).float())
+        assert layer.get_mask_sizes(1) == ref.get_mask_sizes(1)
+    assert layer.keys.dtype == layer.values.dtype == dtype and layer.get_seq_length() == 40
+    assert window_memory_bytes(layer)["full_precision"] == window_memory_bytes(ref)["full_precision"] // 2
+
+
+def test_float16_windows_refuse_values_beyond_its_range():
+    """float16 holds at most 65504: a larger K/V would be stored as inf (NaN attention), so it is refused, naming
+    the fix; bfloat16 (float32's range) takes it; the static ring checks the same."""
+    big, small = torch.full((1, 1, 4, 16), 7e4), torch.zeros(1, 1, 4, 16)
+    layer = WindowLayer(sliding_window=8, storage_dtype=torch.float16)
+    with pytest.raises(ValueError, match="do not fit sliding_window_dtype=torch.float16.*bfloat16"):
+        layer.update(small, big)
+    assert layer.get_seq_length() == 0  # refused before anything was stored
+    keys, _ = WindowLayer(sliding_window=8, storage_dtype=torch.bfloat16).update(big, small)
+    assert torch.isfinite(keys).all()
+    with pytest.raises(ValueError, match="do not fit sliding_window_dtype=torch.float16"):
+        StaticWindowLayer(64, 8, 0, storage_dtype=torch.float16).update(big, small)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("attn", ["sdpa", "oscar"], indirect=True)
+def test_sliding_window_dtype_halves_the_windows_only(model, attn, kind):
+    """sliding_window_dtype=float16 on the hybrid model: the windowed layers hold half their bytes, the quantized
+    layers the same bytes; with quantization off the logits are within 16-bit rounding of the float32 windows'
+    (and not identical: the windows were narrowed). The static cache built from it has 16-bit rings and matches."""
+    ids = _ids(120)
+    caches = {}
+    for name, extra in (("wide", {}), ("narrow", {"sliding_window_dtype": torch.float16})):
+        cache = KINDS[kind](config=model.config, **extra)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+        caches[name] = cache.memory_report()["by_storage"]
+    assert caches["narrow"]["windowed"]["total_bytes"] * 2 == caches["wide"]["windowed"]["total_bytes"]
+    assert caches["narrow"]["quantized"]["total_bytes"] == caches["wide"]["quantized"]["total_bytes"]
+    off = {"recent_tokens": ALL_TOKENS}
+    wide = _logits(model, KINDS[kind](config=model.config, **off), ids, 80)
+    narrow_cache = KINDS[kind](config=model.config, sliding_window_dtype=torch.float16, **off)
+    narrow = _logits(model, narrow_cache, ids, 80)
+    assert 0 < (wide - narrow).abs().max().item() < 1e-2
+    static = StaticOscarCache.from_cache(KINDS[kind](sliding_window_dtype=torch.float16, **off), model.config, 128)
+    got = _logits(model, static, ids, 80)
+    assert static.layers[0].ring_k.dtype == torch.float16
+    assert (got - narrow).abs().max().item() < 1e-4
