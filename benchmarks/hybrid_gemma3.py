@@ -2,7 +2,7 @@
 bytes held at 32k against DynamicCache, generation with quantization off against DynamicCache in every mode of the
 cache contract, and torch.export of the decode step with the static cache.
 
-    python benchmarks/hybrid_gemma3.py [--parts memory,generate,export,window_quality] [--context 32768] [--threads 1]
+    python benchmarks/hybrid_gemma3.py [--parts memory,generate,export,window_quality,window_update] [--context 32768] [--threads 1]
 
 * **memory**: every cache built with ``config=`` is filled through ``update()`` with random K/V of each layer's
   shape ([1, 1 KV head, tokens, 256]) instead of a 32k-token forward: a prefill of ``context - 1`` tokens in chunks
@@ -26,7 +26,9 @@ cache contract, and torch.export of the decode step with the static cache.
   (``--quality-windows`` windows of 2048 tokens, prefill 512, chunks of 32) of each cache with its windows in full
   precision (``config=``) and with them quantized (the same cache without ``config=`` under SDPA quantizes every
   layer; a sliding layer's mask then shows it exactly an INT2 window with the cache's recent tokens at full
-  precision).
+  precision), and with them stored in float16 / bfloat16 (``sliding_window_dtype``).
+* **window_update**: the time of a sliding layer's decode-step ``update`` with its window full, transformers' layer
+  against ``WindowLayer`` with and without 16-bit storage (what ``sliding_window_dtype`` costs per step).
 
 Writes ``benchmarks/results/hybrid_gemma3.json`` (and ``hybrid_gemma3.png``: bytes at 32k by cache and layer kind).
 """
@@ -325,6 +327,68 @@ def window_quality(model, tokenizer, num_windows: int, window: int = 2048, prefi
     return rows
 
 
+def window_update(config, steps: int = 2000, repeats: int = 5) -> list[dict]:
+    """Time of one decode-step ``update`` of a sliding-window layer holding its full window (Gemma 3's window and
+    head_dim, float32 K/V): transformers' ``DynamicSlidingWindowLayer``, ``WindowLayer`` and ``WindowLayer`` with
+    16-bit storage (``sliding_window_dtype``). Interleaved repeats, median; ratios against transformers'."""
+    import statistics
+    import time
+
+    import torch
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from hf_kvint2.model_config import layer_plan, model_shape
+    from hf_kvint2.window_layer import WindowLayer
+
+    shape = model_shape(config)
+    window = next(p.window for p in layer_plan(config) if p.window)
+    makers = {"DynamicSlidingWindowLayer": lambda: DynamicSlidingWindowLayer(sliding_window=window),
+              "WindowLayer": lambda: WindowLayer(sliding_window=window),
+              "WindowLayer, float16": lambda: WindowLayer(sliding_window=window, storage_dtype=torch.float16),
+              "WindowLayer, bfloat16": lambda: WindowLayer(sliding_window=window, storage_dtype=torch.bfloat16)}
+    g = torch.Generator().manual_seed(0)
+    chunk = torch.randn(1, shape.num_key_value_heads, 2 * window, shape.head_dim, generator=g)
+    token = torch.randn(1, shape.num_key_value_heads, 1, shape.head_dim, generator=g)
+    layers = {}
+    for name, make in makers.items():
+        layers[name] = make()
+        layers[name].update(chunk, chunk)
+    times = {name: [] for name in makers}
+    for _ in range(repeats):
+        for name, layer in layers.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                layer.update(token, token)
+            times[name].append((time.perf_counter() - start) / steps)
+    base = statistics.median(times["DynamicSlidingWindowLayer"])
+    sliding = sum(1 for p in layer_plan(config) if p.window)
+    return [{"layer": name, "window": window, "head_dim": shape.head_dim, "kv_heads": shape.num_key_value_heads,
+             "us_per_update": 1e6 * statistics.median(t), "vs_transformers": statistics.median(t) / base,
+             "extra_ms_per_model_step": sliding * 1e3 * (statistics.median(t) - base), "sliding_layers": sliding}
+            for name, t in times.items()]
+
+
+def decode_step_ms(model, tokenizer, prompt_tokens: int = 600, steps: int = 20) -> float:
+    """Median time of one greedy decode step of the model with DynamicCache after a ``prompt_tokens`` prompt
+    (the scale the window update cost compares with)."""
+    import statistics
+    import time
+
+    import torch
+    from transformers import DynamicCache
+
+    ids = _prompt(tokenizer, prompt_tokens)
+    cache = DynamicCache(config=model.config)
+    times = []
+    with torch.no_grad():
+        nxt = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            start = time.perf_counter()
+            nxt = model(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -352,7 +416,7 @@ def plot(rows, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="memory,generate,export,window_quality",
-                   help="comma-separated parts to run: memory, generate, export, window_quality")
+                   help="comma-separated parts to run: memory, generate, export, window_quality, window_update")
     p.add_argument("--context", type=int, default=32768, help="tokens the caches are filled with (memory)")
     p.add_argument("--prompt-tokens", type=int, default=600, help="prompt length of the generation modes")
     p.add_argument("--export-prompt", type=int, default=560, help="tokens prefilled before the exported steps")
@@ -407,6 +471,13 @@ def main():
         result["window_quality"] = rows
         for r in result["window_quality"]:
             print(f"{r['cache']:>42}: perplexity {r['perplexity']:.3f} ({100 * r['vs_full_precision']:+.2f}%)")
+    if "window_update" in parts:
+        step = decode_step_ms(model, tokenizer)
+        result["window_update"] = {"model_decode_step_ms": step, "layers": window_update(model.config)}
+        print(f"model decode step (DynamicCache, sdpa): {step:.1f} ms")
+        for r in result["window_update"]["layers"]:
+            print(f"{r['layer']:>26}: {r['us_per_update']:6.1f} us per decode update ({r['vs_transformers']:.2f}x; "
+                  f"{r['extra_ms_per_model_step']:+.2f} ms per model step)")
     if "export" in parts:
         result["export"] = export(model, tokenizer, args.export_prompt, args.export_steps)
         print({k: v for k, v in result["export"].items() if k != "layers"})

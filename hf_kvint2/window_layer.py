@@ -35,9 +35,9 @@ def check_fits_window_dtype(key_states: torch.Tensor, value_states: torch.Tensor
                             where: str) -> None:
     """K/V stored in ``dtype`` (a sliding window's ``storage_dtype``) must not overflow it: float16 holds at most
     65504, beyond which a stored token would read back as inf (NaN attention). Other dtypes hold any float32."""
-    if dtype != torch.float16 or key_states.dtype == torch.float16:
+    if dtype != torch.float16 or key_states.dtype == torch.float16 or not key_states.numel():
         return
-    largest = max(float(key_states.abs().amax()), float(value_states.abs().amax())) if key_states.numel() else 0.0
+    largest = float(torch.maximum(key_states.abs().amax(), value_states.abs().amax()))  # one sync per update
     if largest > torch.finfo(torch.float16).max:
         raise ValueError(f"{where}: K/V of magnitude {largest:.4g} do not fit sliding_window_dtype=torch.float16 "
                          "(largest 65504). Build the cache with sliding_window_dtype=torch.bfloat16 (same range as "
@@ -49,9 +49,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
     (a clone of the last ``sliding_window - 1`` tokens instead of a view into the whole chunk).
 
     ``storage_dtype`` (the caches' ``sliding_window_dtype``; None: the K/V dtype) stores the window narrower, e.g.
-    float16 for a float32 model (half the bytes). Each update widens the stored window back to the K/V dtype
-    before transformers' update, so the attention reads the past window widened and the step's own tokens as
-    they came, then stores the new window narrowed (a copy, so never a view into a long chunk either)."""
+    float16 for a float32 model (half the bytes). transformers' update concatenates the stored window with the
+    chunk in the K/V dtype, so the attention reads the past window widened and the step's own tokens as they came;
+    the new window is stored narrowed (a copy, so never a view into a long chunk either)."""
 
     def __init__(self, sliding_window: int, storage_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
@@ -65,8 +65,8 @@ class WindowLayer(DynamicSlidingWindowLayer):
                 self.keys, self.values = self.keys.clone(), self.values.clone()
             return keys, values
         check_fits_window_dtype(key_states, value_states, self.storage_dtype, "sliding-window layer")
-        if self.is_initialized:
-            self.keys, self.values = self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
+        # torch.cat promotes the stored window to the K/V dtype: the attention reads it widened, the chunk exact;
+        # then the window transformers kept is stored narrowed (one cast of the window's K and V per update)
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.keys, self.values = self.keys.to(self.storage_dtype), self.values.to(self.storage_dtype)
         return keys, values
