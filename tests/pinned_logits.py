@@ -19,6 +19,9 @@ PINNED = Path(__file__).parent / "data" / "exactness_smollm2.safetensors"
 ARTIFACT = "hf-kvint2/SmolLM2-135M-Instruct-oscar"
 PROMPT, STEPS, TOP = 600, 16, 32
 STATIC_LEN, STATIC_BLOCK = PROMPT + STEPS, 128  # the static cache of the pinned export
+# Another platform sums in another order, which moves a few values across INT2 rounding boundaries: logits differ
+# by ~1e-3 relative (AVX2 against the AVX512 recording: at most 0.023, 1.2e-3 relative; tests/test_exactness.py).
+CROSS_PLATFORM = {"rtol": 3e-3, "atol": 1e-3}
 
 
 def platform_fingerprint() -> dict:
@@ -84,14 +87,15 @@ def check(pinned, case: str, rows: list[torch.Tensor]) -> None:
                 f"{case}, forward {step}: logits changed (max top-{TOP} difference "
                 f"{(at_recorded - want_values[step]).abs().max().item():.3g}; the full row's hash differs)")
         else:
-            where = f"{case}, forward {step} (another platform than the recording, compared within 1e-4)"
-            torch.testing.assert_close(at_recorded, want_values[step], rtol=1e-4, atol=1e-4,
+            where = f"{case}, forward {step} (another platform than the recording, compared within {CROSS_PLATFORM})"
+            torch.testing.assert_close(at_recorded, want_values[step], **CROSS_PLATFORM,
                                        msg=lambda m, where=where: f"{where}: {m}")
     if not same_platform:
         import warnings
 
         warnings.warn(f"test_exactness: recorded on {pinned['meta']['fingerprint']}, running on "
-                      f"{platform_fingerprint()}: compared the top-{TOP} logits within 1e-4, not bit for bit.",
+                      f"{platform_fingerprint()}: compared the top-{TOP} logits within {CROSS_PLATFORM}, not bit "
+                      "for bit.",
                       stacklevel=2)
 
 

@@ -5,7 +5,9 @@ shared read pipeline (sink, body and recent window as three partials, ``q . mu_K
 merge sink and recent into one partial: its values moved by at most 3e-7 and are compared within 1e-6.
 
 Bit identity holds on the platform that recorded the file (see tests/test_exactness.py); elsewhere the results are
-compared within 1e-5 and the test says so. Re-record (only for an intended numerical change, said in the commit):
+compared within 1e-5 and the test says so (the fingerprint names the CPU capability: the interpreter's numpy sums in
+another order on AVX2 than on the AVX512 machine that recorded the file, 4.8e-7 in a log-sum-exp, 1.0e-6 in a
+layer output). Re-record (only for an intended numerical change, said in the commit):
 ``HF_KVINT2_RECORD_EXACTNESS=1 python -m pytest tests/test_kernels_pinned.py``.
 """
 
@@ -38,8 +40,10 @@ def fingerprint() -> str:
     import numpy
     import triton
 
+    # The interpreter runs numpy on the CPU: its vector width (torch's CPU capability names it) changes sums' order
     return json.dumps({"torch": torch.__version__, "triton": triton.__version__, "numpy": numpy.__version__,
-                       "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "interpreter"}, sort_keys=True)
+                       "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "interpreter",
+                       "cpu_capability": torch.backends.cpu.get_cpu_capability()}, sort_keys=True)
 
 
 def kv(n: int, seed: int):
@@ -115,8 +119,9 @@ def test_kernel_results_pinned():
         same_platform = f.metadata()["fingerprint"] == fingerprint()
     assert sorted(got) == sorted(want)
     for key in sorted(want):
-        if key.startswith("layer."):
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        if key.startswith("layer."):  # moved by 3e-7 in the read-path refactor; another platform adds its own order
+            atol = 1e-6 if same_platform else 1e-5
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
         elif same_platform:
             assert torch.equal(got[key], want[key]), (key, (got[key].float() - want[key].float()).abs().max())
         else:
