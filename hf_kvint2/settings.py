@@ -27,7 +27,7 @@ from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
 SETTINGS_VERSION = 1  # the artifact format_version whose settings dict to_dict writes
 SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # What a sliding-window layer may store its window in (sliding_window_dtype; None: the K/V dtype).
-WINDOW_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+WINDOW_DTYPES = SCALE_DTYPES  # the same three dtypes the scales may use
 
 
 class SettingsError(ValueError):
