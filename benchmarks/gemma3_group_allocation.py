@@ -6,6 +6,11 @@ same Emma windows as ``benchmarks/quality.py --model gemma3 --windows 4`` (chunk
 32) and compared with that run's full-precision perplexity (``benchmarks/results/quality_gemma3.json``).
 
     python benchmarks/gemma3_group_allocation.py --key-groups 5:32 --value-group 256
+
+``--calibration DIR`` starts from another artifact (``--key-groups '' --value-group 0``: its own group sizes);
+``--text pride-heldout`` evaluates on Pride and Prejudice from token 100000 on (past the 30000 or 90000 tokens any
+calibration here used) instead of Emma, with ``--baselines`` measuring full precision and KIVI-2 in the same run
+(there is no reference file for that text): a second text on which to rank fits that Emma ranks.
 """
 
 from __future__ import annotations
@@ -22,8 +27,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--key-groups", default="5:32", help="layer:group pairs for the keys, comma-separated")
-    p.add_argument("--value-group", type=int, default=256, help="group size of every calibrated layer's values")
+    p.add_argument("--value-group", type=int, default=256,
+                   help="group size of every calibrated layer's values (0: the artifact's own)")
     p.add_argument("--windows", type=int, default=4, help="Emma windows of 2048 (default 4, as the 2k run)")
+    p.add_argument("--calibration", default=None, help="OscarCache artifact folder (default: the shipped Gemma 3 one)")
+    p.add_argument("--text", default="emma", choices=("emma", "pride-heldout"),
+                   help="evaluation text (default emma; pride-heldout: the calibration book from token 100000 on)")
+    p.add_argument("--baselines", action="store_true", help="also measure full precision and KIVI-2 in this run")
+    p.add_argument("--reference", default=None,
+                   help="ratios against the baselines of an earlier --baselines run (its output JSON; same text and "
+                        "windows) instead of measuring them again")
     p.add_argument("--out", default=str(RESULTS / "gemma3_group_allocation.json"), help="output JSON")
     args = p.parse_args(argv)
     import dataclasses
@@ -39,12 +52,13 @@ def main(argv=None) -> dict:
         encode,
         eval_windows,
         load_text,
+        standard_methods,
     )
     from hf_kvint2.models import load_gemma3
 
     torch.set_num_threads(1)
     model, tokenizer = load_gemma3(attn_implementation="sdpa")
-    base = OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID)
+    base = OscarCache.from_pretrained(args.calibration or hub.GEMMA3_ARTIFACT_ID)
     key_groups = {int(a): int(b) for a, b in (x.split(":") for x in args.key_groups.split(",") if x)}
     layouts = []
     for idx, pair in enumerate(base.calibration.layer_layouts):
@@ -53,29 +67,56 @@ def main(argv=None) -> dict:
             continue
         k, v = pair
         layouts.append((dataclasses.replace(k, group_size=key_groups.get(idx, k.group_size)),
-                        dataclasses.replace(v, group_size=args.value_group)))
+                        dataclasses.replace(v, group_size=args.value_group or v.group_size)))
     calibration = dataclasses.replace(base.calibration, layer_layouts=tuple(layouts))
     method = CacheMethod("oscar_alloc", "OSCAR calibrated, allocated groups",
                          lambda cfg: OscarCache(cfg, settings=base.settings, calibration=calibration))
     bits16 = bits_at_length(method, model.config, 131072, (4096, 8192), dtype=torch.bfloat16)
-    windows = eval_windows(encode(tokenizer, load_text(EVAL_TEXT)), args.windows, 2048)
+    if args.text == "emma":
+        ids = encode(tokenizer, load_text(EVAL_TEXT))
+    else:  # the calibration text, past every token a calibration here saw (load_text refuses it on purpose)
+        from hf_kvint2.data import __file__ as data_init
+
+        ids = encode(tokenizer, (Path(data_init).parent / "prideprejudice.txt").read_text(encoding="utf-8"))[100000:]
+    windows = eval_windows(ids, args.windows, 2048)
+    methods = [method]
+    if args.baselines:
+        methods = [m for m in standard_methods(model.config, None, ()) if m.key in ("fp", "kivi2")] + methods
     t0 = time.time()
-    res = chunked_perplexity(model, windows, [method], 512, 32)["oscar_alloc"]
-    ref = json.loads((RESULTS / "quality_gemma3.json").read_text())
-    rows = {r["key"]: r for r in ref["rows"]}
+    results = chunked_perplexity(model, windows, methods, 512, 32)
+    res = results["oscar_alloc"]
+    if args.baselines:
+        rows = {k: {"perplexity": r.perplexity, "window_perplexities": r.window_perplexities}
+                for k, r in results.items() if k != "oscar_alloc"}
+        rows["fp"]["delta_pct"] = 0.0
+    elif args.reference:
+        ref = json.loads(Path(args.reference).read_text())
+        if (ref.get("text"), ref.get("windows")) != (args.text, args.windows):
+            raise SystemExit(f"--reference {args.reference} was measured on {ref.get('text')} x {ref.get('windows')} "
+                             f"windows, not {args.text} x {args.windows}.")
+        rows = {k: r for k, r in ref["reference"].items() if k in ("fp", "kivi2")}
+    else:
+        ref = json.loads((RESULTS / "quality_gemma3.json").read_text())
+        if args.text != "emma" or args.windows != ref["protocol"]["windows"]:
+            raise SystemExit("Without --baselines the ratios are against quality_gemma3.json (Emma, its windows): "
+                             "pass --baselines for another text or window count.")
+        rows = {r["key"]: r for r in ref["rows"]}
     fp = rows["fp"]["perplexity"]
     out = {"command": "python benchmarks/gemma3_group_allocation.py " + " ".join(sys.argv[1:] if argv is None
                                                                                   else argv),
+           "calibration": args.calibration or hub.GEMMA3_ARTIFACT_ID, "text": args.text,
            "key_groups": key_groups, "value_group": args.value_group, "windows": args.windows,
            "layouts": {i: [dataclasses.asdict(x) for x in pair] for i, pair in enumerate(layouts) if pair},
            "perplexity": res.perplexity, "window_perplexities": res.window_perplexities,
            "delta_pct_vs_fp": 100 * (res.perplexity / fp - 1), "bits_per_element_16bit": bits16,
-           "reference": {k: {"perplexity": r["perplexity"], "delta_pct": r.get("delta_pct"),
-                             "bits_per_element_16bit": r.get("bits_per_element_16bit")} for k, r in rows.items()},
+           "reference": {k: {"perplexity": r["perplexity"], "delta_pct": 100 * (r["perplexity"] / fp - 1),
+                             "bits_per_element_16bit": r.get("bits_per_element_16bit"),
+                             "window_perplexities": r.get("window_perplexities")} for k, r in rows.items()},
            "seconds": time.time() - t0}
     Path(args.out).write_text(json.dumps(out, indent=1))
+    others = ", ".join(f"{k} {r['perplexity']:.3f}" for k, r in rows.items() if k in ("oscar", "kivi2"))
     print(f"allocated: ppl {res.perplexity:.3f} ({out['delta_pct_vs_fp']:+.2f}% vs fp {fp:.3f}) at {bits16:.3f} "
-          f"bits (16-bit K/V); OSCAR {rows['oscar']['perplexity']:.3f}, KIVI-2 {rows['kivi2']['perplexity']:.3f}")
+          f"bits (16-bit K/V); {others}")
     print(f"wrote {args.out}")
     return out
 
