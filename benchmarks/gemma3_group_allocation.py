@@ -39,12 +39,16 @@ def main(argv=None) -> dict:
                         "windows) instead of measuring them again")
     p.add_argument("--out", default=str(RESULTS / "gemma3_group_allocation.json"), help="output JSON")
     args = p.parse_args(argv)
+    if args.baselines and args.reference:
+        p.error("--baselines measures full precision and KIVI-2 in this run, --reference takes them from an earlier "
+                "one: give one of the two.")
     import dataclasses
 
     import torch
 
     from hf_kvint2 import OscarCache, hub
     from hf_kvint2.evaluation import (
+        CALIBRATION_TEXT,
         EVAL_TEXT,
         CacheMethod,
         bits_at_length,
@@ -75,9 +79,10 @@ def main(argv=None) -> dict:
     if args.text == "emma":
         ids = encode(tokenizer, load_text(EVAL_TEXT))
     else:  # the calibration text, past every token a calibration here saw (load_text refuses it on purpose)
-        from hf_kvint2.data import __file__ as data_init
+        from importlib import resources
 
-        ids = encode(tokenizer, (Path(data_init).parent / "prideprejudice.txt").read_text(encoding="utf-8"))[100000:]
+        book = resources.files("hf_kvint2.data").joinpath(CALIBRATION_TEXT).read_text(encoding="utf-8")
+        ids = encode(tokenizer, book)[100000:]
     windows = eval_windows(ids, args.windows, 2048)
     methods = [method]
     if args.baselines:
@@ -88,7 +93,6 @@ def main(argv=None) -> dict:
     if args.baselines:
         rows = {k: {"perplexity": r.perplexity, "window_perplexities": r.window_perplexities}
                 for k, r in results.items() if k != "oscar_alloc"}
-        rows["fp"]["delta_pct"] = 0.0
     elif args.reference:
         ref = json.loads(Path(args.reference).read_text())
         if (ref.get("text"), ref.get("windows")) != (args.text, args.windows):
