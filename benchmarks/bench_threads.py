@@ -1,9 +1,12 @@
-"""Split-K on CPU: the batch-1 / 8k fused decode step (and the body kernel alone) with 1 and with 2 threads.
+"""Split-K on CPU: the batch-1 / 8k decode step and the fused layer step with 1 and with 2 threads.
 
-Runs ``bench_decode.py --model synthetic --cases 1x8192`` for DynamicCache, OscarCache and OscarScaledCache once
-with ``--threads 1`` and once with ``--threads 2`` (wall time: CPU time sums the threads), then times the Numba
-body kernel alone on one layer's body (3 KV heads x 8192 tokens, each cache's layouts) with 1 and 2 threads.
-Needs a quiet machine: the load average is recorded.
+Decode step: ``bench_decode.py --model synthetic --cases 1x8192`` for DynamicCache, OscarCache and OscarScaledCache
+with ``--threads 1`` and ``--threads 2``, alternated for ``--rounds`` rounds (wall time: CPU time sums the threads);
+the median over rounds. Fused layer step: one layer's cache update and fused attention (what the ``"oscar"``
+attention runs per layer and decode step: the write path, then the Numba whole-layer kernel with its split-K body),
+each cache's default recipe on an 8192-token layer, 1 and 2 threads interleaved in one process. The decode step
+also holds the model's linear layers and the per-layer Python, which a second thread speeds up less. Needs a quiet
+machine: the load average is recorded.
 
     python benchmarks/bench_threads.py          # -> results/threads_cpu.json
 """
@@ -19,37 +22,40 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 
-def kernel_worker(threads: int) -> dict:
+def layer_worker(steps: int) -> dict:
+    """The fused decode step of one layer (its cache update and its attention, as a decode step runs them) of each
+    cache on an 8192-token batch-1 layer, with 1 and 2 threads in turn in one process (interleaved, so that the
+    machine's drift hits both thread counts alike; NUMBA_NUM_THREADS=2 is set by the parent). Median microseconds."""
     import torch
+    from speedlib import fill_cache, make_cache
+    from transformers import LlamaConfig
 
-    torch.set_num_threads(threads)
-    from hf_kvint2 import cpu_kernels
-    from hf_kvint2.recipes import GroupLayout
-    from hf_kvint2.stream import QuantizedStream, StreamCodec
-    from hf_kvint2.transforms import block_hadamard_matrix
-
+    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      num_hidden_layers=1, max_position_embeddings=32768)
+    g = torch.Generator().manual_seed(0)
     out = {}
-    layouts = {"oscar": (("token", 64, False), ("token", 64, False)),
-               "scaled": (("channel", 32, True), ("token", 32, False))}
-    for name, pair in layouts.items():
-        bodies = []
-        for axis, group, scaled in pair:
-            s = QuantizedStream(StreamCodec(GroupLayout(axis, group, None, scaled), group, block_hadamard_matrix(64),
-                                            None, torch.float16))
-            s.append(torch.randn(1, 3, 8192, 64, generator=torch.Generator().manual_seed(0)))
-            bodies.append(s.read())
-        q = torch.randn(1, 9, 1, 64)
-        cpu_kernels.body_attention(q, *bodies, scaling=0.125)
-        times = []
-        for _ in range(30):
-            t = time.perf_counter()
-            cpu_kernels.body_attention(q, *bodies, scaling=0.125)
-            times.append(time.perf_counter() - t)
-        out[name] = statistics.median(times) * 1e3
+    for kind in ("oscar", "scaled"):
+        cache = make_cache(kind, cfg)
+        fill_cache(cache, cfg, 1, 8192, True, generator=g)
+        layer = cache.layers[0]
+        times = {1: [], 2: []}
+        for i in range(steps + 2):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                k, v, q = (torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g),
+                           torch.randn(1, 9, 1, 64, generator=g))
+                t = time.perf_counter()
+                key, _ = layer.update(k, v)
+                key.step.attend(q, None, 0.125, True)
+                if i >= 2:  # the first steps compile or load the kernel and switch the layer to its fused path
+                    times[threads].append((time.perf_counter() - t) * 1e6)
+        out[kind] = {str(t): statistics.median(v) for t, v in times.items()}
     return out
 
 
@@ -57,30 +63,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=RESULTS / "threads_cpu.json",
                     help="result JSON (default results/threads_cpu.json)")
-    ap.add_argument("--kernel-worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="decode-step runs per thread count, 1 and 2 threads alternated (default 2)")
+    ap.add_argument("--layer-steps", type=int, default=200,
+                    help="timed fused layer steps per thread count (default 200)")
+    ap.add_argument("--layer-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.kernel_worker:
-        print(json.dumps(kernel_worker(args.kernel_worker)))
+    if args.layer_worker:
+        print(json.dumps(layer_worker(args.layer_steps)))
         return
     load = os.getloadavg()
-    rows = {}
-    for threads in (1, 2):
-        out = Path(f"/tmp/hf_kvint2_threads_{threads}.json")
-        subprocess.run([sys.executable, str(HERE / "bench_decode.py"), "--model", "synthetic", "--cases", "1x8192",
-                        "--configs", "dynamic", "oscar-fused", "scaled-fused", "--steps", "5", "--warmup", "1",
-                        "--threads", str(threads), "--out", str(out)], check=True, capture_output=True)
-        step = {r["config"]: r["ms_per_token"] for r in json.loads(out.read_text())["results"]}
-        env = {**os.environ, "NUMBA_NUM_THREADS": str(threads)}
-        proc = subprocess.run([sys.executable, __file__, "--kernel-worker", str(threads)], capture_output=True,
-                              text=True, check=True, env=env)
-        rows[threads] = {"step_ms": step, "kernel_ms": json.loads(proc.stdout.strip().splitlines()[-1])}
-        print(threads, "threads:", rows[threads])
-    speedup = {"step": {c: rows[1]["step_ms"][c] / rows[2]["step_ms"][c] for c in rows[1]["step_ms"]},
-               "kernel": {c: rows[1]["kernel_ms"][c] / rows[2]["kernel_ms"][c] for c in rows[1]["kernel_ms"]}}
+    steps = {1: [], 2: []}  # per round: {config: ms per step}
+    for _ in tqdm(range(args.rounds), desc="decode rounds"):
+        for threads in (1, 2):  # alternated, so that the machine's drift reaches both thread counts
+            out = Path(f"/tmp/hf_kvint2_threads_{threads}.json")
+            subprocess.run([sys.executable, str(HERE / "bench_decode.py"), "--model", "synthetic", "--cases",
+                            "1x8192", "--configs", "dynamic", "oscar-fused", "scaled-fused", "--steps", "5",
+                            "--warmup", "1", "--threads", str(threads), "--out", str(out)], check=True,
+                            capture_output=True)
+            steps[threads].append({r["config"]: r["ms_per_token"] for r in json.loads(out.read_text())["results"]})
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, __file__, "--layer-worker", "--layer-steps", str(args.layer_steps)],
+                          capture_output=True, text=True, check=True, env=env)
+    layer_us = json.loads(proc.stdout.strip().splitlines()[-1])
+    configs = steps[1][0]
+    rows = {str(t): {"step_ms": {c: statistics.median(r[c] for r in steps[t]) for c in configs},
+                     "step_ms_rounds": steps[t],
+                     "fused_layer_step_us": {k: layer_us[k][str(t)] for k in layer_us}} for t in (1, 2)}
+    speedup = {"step": {c: rows["1"]["step_ms"][c] / rows["2"]["step_ms"][c] for c in configs},
+               "fused_layer_step": {k: layer_us[k]["1"] / layer_us[k]["2"] for k in layer_us}}
+    for t in ("1", "2"):
+        print(t, "thread(s):", json.dumps(rows[t]["step_ms"]), json.dumps(rows[t]["fused_layer_step_us"]))
     meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_average_at_start": load,
             "load_average_at_end": os.getloadavg(), "cpus": os.cpu_count(),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "case": "batch 1, 8192-token context, synthetic SmolLM2-shaped Llama fp32; kernel: 3 KV heads x 8192"}
+            "case": "batch 1, 8192-token context, synthetic SmolLM2-shaped Llama fp32 (decode step: median over "
+                    "rounds of bench_decode's median step); fused layer step: one layer's update + attention, "
+                    "3 KV heads, 9 query heads, 1 and 2 threads interleaved in one process (median)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "threads": rows, "speedup_2_vs_1": speedup}, indent=1))
     print("speed-up, 2 threads vs 1:", json.dumps(speedup))

@@ -30,7 +30,8 @@ GROUPS = (
      and k[2] == "attend"),
     ("SDPA (DynamicCache; for Oscar: the prefill path only)", lambda k: k[2] == "sdpa_attention_forward"),
     ("cache update (write path)", lambda k: k[2] == "update" and ("layers.py" in k[0] or "cache_utils.py" in k[0])),
-    ("  of which quantization of demoted tokens", lambda k: k[0].endswith("layers.py") and k[2] == "_demote"),
+    # both demotion paths (a decode step's _demote_past_recent, a chunk's _demote) quantize through _append_to_body
+    ("  of which quantization of demoted tokens", lambda k: k[0].endswith("layers.py") and k[2] == "_append_to_body"),
 )
 
 
