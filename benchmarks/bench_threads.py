@@ -33,11 +33,10 @@ def layer_worker(steps: int) -> dict:
     cache on an 8192-token batch-1 layer, with 1 and 2 threads in turn in one process (interleaved, so that the
     machine's drift hits both thread counts alike; NUMBA_NUM_THREADS=2 is set by the parent). Median microseconds."""
     import torch
-    from speedlib import fill_cache, make_cache
-    from transformers import LlamaConfig
+    from speedlib import fill_cache, make_cache, synthetic_config
 
-    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                      num_hidden_layers=1, max_position_embeddings=32768)
+    cfg = synthetic_config(num_hidden_layers=1)  # one layer of the synthetic model
+    kv_heads, heads, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     g = torch.Generator().manual_seed(0)
     out = {}
     for kind in ("oscar", "scaled"):
@@ -48,11 +47,11 @@ def layer_worker(steps: int) -> dict:
         for i in range(steps + 2):
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                k, v, q = (torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g),
-                           torch.randn(1, 9, 1, 64, generator=g))
+                k, v, q = (torch.randn(1, kv_heads, 1, d, generator=g), torch.randn(1, kv_heads, 1, d, generator=g),
+                           torch.randn(1, heads, 1, d, generator=g))
                 t = time.perf_counter()
                 key, _ = layer.update(k, v)
-                key.step.attend(q, None, 0.125, True)
+                key.step.attend(q, None, d ** -0.5, True)
                 if i >= 2:  # the first steps compile or load the kernel and switch the layer to its fused path
                     times[threads].append((time.perf_counter() - t) * 1e6)
         out[kind] = {str(t): statistics.median(v) for t, v in times.items()}

@@ -3,6 +3,7 @@
 * :func:`load_model`: the bundled SmolLM2-135M, or ``"synthetic"``: a Llama with SmolLM2-135M's shapes (30 layers,
   hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152) and random weights, with
   ``max_position_embeddings=32768`` so that a 32k context is valid (speed only: quality is not measured with it).
+  :func:`synthetic_config` is its config (with overrides, e.g. one layer).
 * :func:`make_cache`, :func:`fill_cache`: the caches compared, filled with random K/V (layer 0 in chunks, copied to
   every layer), which is what decode speed depends on; a real 8k x batch prefill takes many minutes on 2 cores.
 * :func:`cache_bytes`: bytes of every tensor a cache holds (storages counted once, whole allocations), found by
@@ -47,6 +48,16 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def synthetic_config(**overrides):
+    """The ``"synthetic"`` model's LlamaConfig (SmolLM2-135M's shapes, 32k positions), with ``overrides``."""
+    from transformers import LlamaConfig
+
+    shapes = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 32768,
+              "rope_theta": 100000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
+    return LlamaConfig(**{**shapes, **overrides})
+
+
 def load_model(name: str, attn_implementation: str):
     import torch
 
@@ -57,13 +68,11 @@ def load_model(name: str, attn_implementation: str):
         return model
     if name != "synthetic":
         raise ValueError(f"unknown model {name!r}: use smollm2 or synthetic")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import hf_kvint2  # noqa: F401  (registers "oscar")
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=32768,
-                         rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    config = synthetic_config()
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
