@@ -20,7 +20,7 @@ ARTIFACT = "hf-kvint2/SmolLM2-135M-Instruct-oscar"
 PROMPT, STEPS, TOP = 600, 16, 32
 STATIC_LEN, STATIC_BLOCK = PROMPT + STEPS, 128  # the static cache of the pinned export
 # Another platform sums in another order, which moves a few values across INT2 rounding boundaries: logits differ
-# by ~1e-3 relative (AVX2 against the AVX512 recording: at most 0.023, 1.2e-3 relative; tests/test_exactness.py).
+# by ~1e-3 relative (AVX2 against AVX512, either way: at most 0.023, 1.2e-3 relative; tests/test_exactness.py).
 CROSS_PLATFORM = {"rtol": 3e-3, "atol": 1e-3}
 
 
