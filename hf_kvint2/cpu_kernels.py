@@ -627,7 +627,7 @@ def _body_arrays(body, batch: int):
     if kind == 2 or any(t.dtype != dtype for t in stored):
         kind, arrays = 2, [_float32_array(t) for t in stored]
     else:  # the bits of the 16-bit values
-        arrays = [(t if t.is_contiguous() else t.contiguous()).view(torch.int16).numpy() for t in stored]
+        arrays = [_contiguous_array(t.view(torch.int16)) for t in stored]
     norm = arrays[2] if body.norm is not None else _no_norm(batch, kind)
     return (_contiguous_array(body.codes), arrays[0], arrays[1], norm), kind
 
@@ -782,13 +782,13 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     (vc, vs, vl, vn), v_kind = _body_arrays(value_body, b)
     kcodec, vcodec = key_body.codec, value_body.codec
     _, none, _, no_bias = _unused(d)
-    mean_k = none if kcodec.mean is None else kcodec.mean.contiguous().numpy()
-    mean_v = none if vcodec.mean is None else vcodec.mean.contiguous().numpy()
+    mean_k = none if kcodec.mean is None else _contiguous_array(kcodec.mean)
+    mean_v = none if vcodec.mean is None else _contiguous_array(vcodec.mean)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
     _run_kernel(key_body, value_body, True, (k_kind, v_kind), q, no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
-                vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), kcodec.rotation.contiguous().numpy(),
-                mean_k, vcodec.rotation.contiguous().numpy(), mean_v, _float32_array(k0), _float32_array(v0),
+                vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), _contiguous_array(kcodec.rotation),
+                mean_k, _contiguous_array(vcodec.rotation), mean_v, _float32_array(k0), _float32_array(v0),
                 _float32_array(k1), _float32_array(v1))
     out = torch.from_numpy(out).view(b, hq, lq, d)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
@@ -970,9 +970,7 @@ def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int
     i1 = min(i0 + 1, d - 1)
     frac = pos - i0
     # clipped in place: callers pass a temporary; detached: quantization has no gradient (a forward with grad on)
-    x = xr.detach() if xr.requires_grad else xr
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.to(torch.float32).contiguous()
+    x = _float32_array(xr)
     if out is None:
         codes = torch.empty(b, h, n, d // 4, dtype=torch.uint8)
         scale = torch.empty(b, h, n, d // group, dtype=scale_dtype)
@@ -980,9 +978,9 @@ def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int
     else:
         codes, scale, lo = out
     scale_bits, lo_bits = (scale.view(torch.int16), lo.view(torch.int16)) if kind != 2 else (scale, lo)
-    biggest = _superword_vectorized(_make_quantizer(d, group, kind, clip), x.numpy(), i0, i1, np.float32(1 - frac),
+    biggest = _superword_vectorized(_make_quantizer(d, group, kind, clip), x, i0, i1, np.float32(1 - frac),
                                     np.float32(frac), codes.numpy(), scale_bits.numpy(), lo_bits.numpy())
-    if x.numel() and not biggest <= torch.finfo(scale_dtype).max:
+    if x.size and not biggest <= torch.finfo(scale_dtype).max:
         raise scale_range_error(float(biggest), scale_dtype)
     return QuantizedGroups(codes, scale, lo)
 
