@@ -25,6 +25,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -624,12 +625,29 @@ def _body_arrays(body, batch: int):
     stored = (body.scale, body.lo) if body.norm is None else (body.scale, body.lo, body.norm)
     dtype = body.scale.dtype
     kind = _SCALE_KINDS.get(dtype, 2)
+    if body.buffers is not None and body.buffers[0].data is body.codes and all(t.dtype == dtype for t in stored):
+        # the buffers of a dynamic stream, unchanged since the read: their numpy views, made once per buffer
+        arrays = [buf.array() for buf in body.buffers]
+        return (arrays[0], arrays[1], arrays[2], arrays[3] if body.norm is not None else _no_norm(batch, kind)), kind
     if kind == 2 or any(t.dtype != dtype for t in stored):
         kind, arrays = 2, [_float32_array(t) for t in stored]
     else:  # the bits of the 16-bit values
         arrays = [_contiguous_array(t.view(torch.int16)) for t in stored]
     norm = arrays[2] if body.norm is not None else _no_norm(batch, kind)
     return (_contiguous_array(body.codes), arrays[0], arrays[1], norm), kind
+
+
+_CODEC_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _codec_arrays(codec, none: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rotation, mean or ``none``) of a :class:`~hf_kvint2.stream.StreamCodec` as numpy arrays, made once per codec
+    (a codec never changes; a decode step would otherwise convert them for every layer)."""
+    arrays = _CODEC_ARRAYS.get(codec)
+    if arrays is None:
+        arrays = (_contiguous_array(codec.rotation), none if codec.mean is None else _contiguous_array(codec.mean))
+        _CODEC_ARRAYS[codec] = arrays
+    return arrays
 
 
 def _contiguous_array(x: torch.Tensor) -> np.ndarray:
@@ -780,16 +798,14 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     add = _mask_rows(mask, b, n0 + n + k1.shape[2])
     (kc, ks, kl, kn), k_kind = _body_arrays(key_body, b)
     (vc, vs, vl, vn), v_kind = _body_arrays(value_body, b)
-    kcodec, vcodec = key_body.codec, value_body.codec
     _, none, _, no_bias = _unused(d)
-    mean_k = none if kcodec.mean is None else _contiguous_array(kcodec.mean)
-    mean_v = none if vcodec.mean is None else _contiguous_array(vcodec.mean)
+    rot_k, mean_k = _codec_arrays(key_body.codec, none)
+    rot_v, mean_v = _codec_arrays(value_body.codec, none)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
     _run_kernel(key_body, value_body, True, (k_kind, v_kind), q, no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
-                vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), _contiguous_array(kcodec.rotation),
-                mean_k, _contiguous_array(vcodec.rotation), mean_v, _float32_array(k0), _float32_array(v0),
-                _float32_array(k1), _float32_array(v1))
+                vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), rot_k, mean_k, rot_v, mean_v,
+                _float32_array(k0), _float32_array(v0), _float32_array(k1), _float32_array(v1))
     out = torch.from_numpy(out).view(b, hq, lq, d)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
@@ -885,10 +901,11 @@ def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
     groups = d // group
 
     @numba.njit(cache=True, nogil=True)
-    def quantize(x, i0, i1, w0, w1, codes, scale_out, lo_out):  # pragma: no cover
-        # x: [B, H, N, D] float32 tokens (clipped in place); codes [B, H, N, D/4] uint8; scale_out / lo_out
-        # [B, H, N, D/G] (int16 bits of a 16-bit scale dtype, or float32); the outputs may be views into a cache's
-        # buffers. Returns the largest |lo| or 3 * scale (the range check).
+    def quantize(x, i0, i1, w0, w1, codes, scale_out, lo_out, row0):  # pragma: no cover
+        # x: [B, H, N, D] float32 tokens (clipped in place); codes [B, H, >= row0 + N, D/4] uint8; scale_out /
+        # lo_out [B, H, >= row0 + N, D/G] (int16 bits of a 16-bit scale dtype, or float32): token t goes to row
+        # row0 + t (the outputs may be a cache's whole buffers). Returns the largest |lo| or 3 * scale (the range
+        # check).
         heads, n = x.shape[1], x.shape[2]
         buf = np.empty(1, np.float32)
         ubuf = buf.view(np.uint32)
@@ -928,11 +945,11 @@ def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
                 lo_bits, lo_s = _round_scale(buf, ubuf, lo, scale_kind)
                 sc_bits, sf = _round_scale(buf, ubuf, scale, scale_kind)
                 if scale_kind == 2:
-                    scale_out[bb, hh, t, gi] = scale
-                    lo_out[bb, hh, t, gi] = lo
+                    scale_out[bb, hh, row0 + t, gi] = scale
+                    lo_out[bb, hh, row0 + t, gi] = lo
                 else:
-                    scale_out[bb, hh, t, gi] = sc_bits
-                    lo_out[bb, hh, t, gi] = lo_bits
+                    scale_out[bb, hh, row0 + t, gi] = sc_bits
+                    lo_out[bb, hh, row0 + t, gi] = lo_bits
                 for j in range(gi * group // 4, (gi + 1) * group // 4):
                     byte = 0
                     for i in range(4):
@@ -945,7 +962,7 @@ def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
                                 r += 1
                             code = min(max(r, np.float32(0.0)), three)
                         byte |= np.int64(code) << (2 * i)
-                    codes[bb, hh, t, j] = byte
+                    codes[bb, hh, row0 + t, j] = byte
         if not finite:  # NaN/Inf in a group (with check_finite off): the caller refuses it, as quantize_int2 does
             return np.float32(np.inf)
         return max(biggest_lo, biggest_scale * three)
@@ -953,36 +970,70 @@ def _make_quantizer(d: int, group: int, scale_kind: int, clip: bool):
     return quantize
 
 
+class TokenGroupQuantizer:
+    """:func:`~hf_kvint2.transforms.clip_rows` then :func:`~hf_kvint2.quant.quantize_int2` (``"token"`` groups) of
+    rotated float32 tokens [B, H, n, D] in one compiled call, for one head_dim, group, clip ratio and scale dtype:
+    codes, scales and offsets bit-identical to those ops (same errors for values too large for the scale dtype).
+    Built once per layout (:func:`token_group_quantizer`); a decode step's demotion then costs the compiled call and
+    little else."""
+
+    def __init__(self, d: int, group: int, clip_ratio: float | None, scale_dtype: torch.dtype):
+        _require_numba()
+        if d % group or d % 4:
+            raise ValueError(f"head_dim ({d}) must be a multiple of the group size ({group}) and of 4.")
+        self.d, self.group, self.scale_dtype = d, group, scale_dtype
+        self.kind = _SCALE_KINDS[scale_dtype]
+        clip = clip_ratio is not None and clip_ratio < 1.0
+        pos = (clip_ratio * (d - 1)) if clip else 0.0
+        i0 = math.floor(pos)
+        frac = pos - i0
+        self._fn = _make_quantizer(d, group, self.kind, clip)
+        self._args = (i0, min(i0 + 1, d - 1), np.float32(1 - frac), np.float32(frac))
+        self._limit = torch.finfo(scale_dtype).max
+
+    def bits(self, t: torch.Tensor) -> np.ndarray:
+        """A scale / offset tensor (or buffer) as the array the compiled call writes: int16 bits of 16-bit floats."""
+        return (t.view(torch.int16) if self.kind != 2 else t).numpy()
+
+    def write(self, x: np.ndarray, codes: np.ndarray, scale: np.ndarray, lo: np.ndarray, row0: int = 0) -> None:
+        """Quantize float32 ``x`` [B, H, n, D] (clipped in place) into rows ``row0 .. row0 + n - 1`` of ``codes``
+        [B, H, >= row0 + n, D/4] and ``scale`` / ``lo`` (from :meth:`bits`); the rows are undefined if it raises."""
+        biggest = _superword_vectorized(self._fn, x, *self._args, codes, scale, lo, row0)
+        if x.size and not biggest <= self._limit:
+            raise scale_range_error(float(biggest), self.scale_dtype)
+
+    def __call__(self, xr: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """:class:`~hf_kvint2.quant.QuantizedGroups` of ``xr`` [B, H, n, D] (which may be overwritten); ``out``:
+        (codes, scale, lo) tensors [B, H, n, X] to write into instead."""
+        b, h, n, d = xr.shape
+        if d != self.d:
+            raise ValueError(f"this quantizer is for head_dim {self.d}, got tokens of head_dim {d}.")
+        # clipped in place: callers pass a temporary; detached: quantization has no gradient (a forward with grad on)
+        x = _float32_array(xr)
+        if out is None:
+            codes = torch.empty(b, h, n, d // 4, dtype=torch.uint8)
+            scale = torch.empty(b, h, n, d // self.group, dtype=self.scale_dtype)
+            lo = torch.empty_like(scale)
+        else:
+            codes, scale, lo = out
+        self.write(x, codes.numpy(), self.bits(scale), self.bits(lo))
+        return QuantizedGroups(codes, scale, lo)
+
+
+@functools.lru_cache(maxsize=256)
+def token_group_quantizer(d: int, group: int, clip_ratio: float | None, scale_dtype: torch.dtype) -> TokenGroupQuantizer:
+    """The :class:`TokenGroupQuantizer` for this layout (one per layout and process)."""
+    return TokenGroupQuantizer(d, group, clip_ratio, scale_dtype)
+
+
 def quantize_token_groups(xr: torch.Tensor, clip_ratio: float | None, group: int, scale_dtype: torch.dtype,
                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """:func:`~hf_kvint2.transforms.clip_rows` then :func:`~hf_kvint2.quant.quantize_int2` (``"token"`` groups)
     of rotated float32 ``xr`` [B, H, n, D] in one compiled call: a :class:`~hf_kvint2.quant.QuantizedGroups`
     bit-identical to theirs (same errors for values too large for the scale dtype). ``xr`` may be overwritten.
-    ``out``: (codes, scale, lo) tensors [B, H, n, X] to write into instead (e.g. the next rows of a stream's
-    buffers, :meth:`~hf_kvint2.storage.TokenBuffer.slot`); their contents are undefined if it raises."""
-    b, h, n, d = xr.shape
-    if d % group or d % 4:
-        raise ValueError(f"head_dim ({d}) must be a multiple of the group size ({group}) and of 4.")
-    kind = _SCALE_KINDS[scale_dtype]
-    clip = clip_ratio is not None and clip_ratio < 1.0
-    pos = (clip_ratio * (d - 1)) if clip else 0.0
-    i0 = math.floor(pos)
-    i1 = min(i0 + 1, d - 1)
-    frac = pos - i0
-    # clipped in place: callers pass a temporary; detached: quantization has no gradient (a forward with grad on)
-    x = _float32_array(xr)
-    if out is None:
-        codes = torch.empty(b, h, n, d // 4, dtype=torch.uint8)
-        scale = torch.empty(b, h, n, d // group, dtype=scale_dtype)
-        lo = torch.empty_like(scale)
-    else:
-        codes, scale, lo = out
-    scale_bits, lo_bits = (scale.view(torch.int16), lo.view(torch.int16)) if kind != 2 else (scale, lo)
-    biggest = _superword_vectorized(_make_quantizer(d, group, kind, clip), x, i0, i1, np.float32(1 - frac),
-                                    np.float32(frac), codes.numpy(), scale_bits.numpy(), lo_bits.numpy())
-    if x.size and not biggest <= torch.finfo(scale_dtype).max:
-        raise scale_range_error(float(biggest), scale_dtype)
-    return QuantizedGroups(codes, scale, lo)
+    ``out``: (codes, scale, lo) tensors [B, H, n, X] to write into instead; their contents are undefined if it
+    raises."""
+    return token_group_quantizer(xr.shape[-1], group, clip_ratio, scale_dtype)(xr, out)
 
 
 # ------------------------------------------------------------------------------------------------- input checks
@@ -1008,6 +1059,21 @@ if _NUMBA:
     def _count_nonfinite(k_bits, v_bits, exponent):  # pragma: no cover
         return _count_nonfinite_in(k_bits, exponent) + _count_nonfinite_in(v_bits, exponent)
 
+    @numba.njit(cache=True, nogil=True)
+    def _count_nonfinite_floats_in(x):  # pragma: no cover
+        # x: rank-4 float32 (any strides); no fast-math here, so isfinite sees NaN and Inf
+        bad = 0
+        for a in range(x.shape[0]):
+            for b in range(x.shape[1]):
+                for c in range(x.shape[2]):
+                    for e in range(x.shape[3]):
+                        bad += not np.isfinite(x[a, b, c, e])
+        return bad
+
+    @numba.njit(cache=True, nogil=True)
+    def _count_nonfinite_floats(k, v):  # pragma: no cover
+        return _count_nonfinite_floats_in(k) + _count_nonfinite_floats_in(v)
+
 
 def finite_check_supports(x: torch.Tensor) -> bool:
     """Whether :func:`all_finite` serves ``x``: rank-4 float32/float16/bfloat16 on CPU, eager."""
@@ -1016,7 +1082,10 @@ def finite_check_supports(x: torch.Tensor) -> bool:
 
 
 def all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """No NaN/Inf in ``k`` or ``v`` (of one dtype, each served by :func:`finite_check_supports`), by their
-    exponent bits."""
+    """No NaN/Inf in ``k`` or ``v`` (of one dtype, each served by :func:`finite_check_supports`): float32 read as
+    floats, 16-bit floats (which numpy lacks or Numba cannot check) by their exponent bits."""
+    k, v = (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
+    if k.dtype == torch.float32:  # no bit views: each tensor op costs microseconds inside a model's step
+        return not _count_nonfinite_floats(k.numpy(), v.numpy())
     view, exponent = _EXPONENT_BITS[k.dtype]
-    return not _count_nonfinite(k.detach().view(view).numpy(), v.detach().view(view).numpy(), exponent)
+    return not _count_nonfinite(k.view(view).numpy(), v.view(view).numpy(), exponent)

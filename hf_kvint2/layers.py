@@ -29,6 +29,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tokens quantized per step when many leave the recent window at once (a long prefill): the float32 temporaries of
 # the transform scale with this, not with the prompt. A multiple of every demotion block in use (powers of two).
 QUANTIZE_BLOCK_TOKENS = 4096
+_CPU_FINITE_CHECK = cpu_kernels.available()  # the compiled NaN/Inf check serves CPU K/V of every supported dtype
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
 
 
@@ -36,6 +37,12 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
     """Checks of new K/V shared by the dynamic and static layers: rank, equal shapes, dtype, head_dim; once the
     layer is initialized, the batch, heads, head_dim and dtype it holds (``fix`` tells the user what to do);
     no NaN/Inf unless the recipe turns that off (skipped while tracing: it needs the data)."""
+    if layer.is_initialized and _same_kind_as_layer(layer, k, v):  # a decode step: the checks below all pass
+        if layer.recipe.check_finite and not tracing() and not (
+                cpu_kernels.all_finite(k, v) if _CPU_FINITE_CHECK and k.is_cpu and v.is_cpu else _all_finite(k, v)):
+            raise ValueError(f"{layer._name}: key/value states contain NaN or Inf; refusing to quantize them "
+                             "(check the model's dtype: fp16 overflow is a common cause).")
+        return
     where = layer._name
     if k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"{where}: expected key/value states of rank 4 [batch, kv_heads, tokens, head_dim], "
@@ -62,6 +69,16 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
     if layer.recipe.check_finite and not tracing() and not _all_finite(k, v):
         raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
                          "(check the model's dtype: fp16 overflow is a common cause).")
+
+
+def _same_kind_as_layer(layer, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """K and V of one shape, with the batch, heads, head_dim and dtype the initialized layer holds, not on the meta
+    device: every check of :func:`validate_kv` but the NaN/Inf one passes (few tensor accesses: each costs
+    microseconds inside a model's step, where the weights have evicted the interpreter's data from the caches)."""
+    shape = k.shape
+    return (shape == v.shape and len(shape) == 4 and shape[0] == layer.batch_size and shape[1] == layer.num_heads
+            and shape[3] == layer.head_dim and k.dtype == layer.dtype and v.dtype == layer.dtype
+            and not k.is_meta and not v.is_meta)
 
 
 def _all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .backends import select_body_partial
-from .quant import to_model_dtype
+from .quant import to_model_dtype, tracing
 from .read_path import attend_segments, mask_to_additive
 
 PORTABLE_PATH_WARNING = (
@@ -174,6 +174,10 @@ _METADATA_FUNCS = {
 }
 
 
+# The one-element zero every placeholder of a dtype and device expands (never written: placeholders have no data).
+_ZERO_SCALARS: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}  # (dtype, device, inference mode)
+
+
 class DeferredKV(torch.Tensor):
     """Zero-storage stand-in for a layer's full K (``which=0``) or V (``which=1``) in one forward.
 
@@ -189,7 +193,14 @@ class DeferredKV(torch.Tensor):
     def make(step, which: int, like: torch.Tensor) -> DeferredKV:
         """A placeholder with ``like``'s batch, heads, head_dim, dtype and device, and the step's length."""
         shape = (*like.shape[:2], step.seq_len, like.shape[-1])
-        t = like.new_zeros(()).expand(shape).as_subclass(DeferredKV)
+        if type(like) is torch.Tensor and not tracing():  # never keep a fake or traced tensor
+            key = (like.dtype, like.device, torch.is_inference_mode_enabled())
+            zero = _ZERO_SCALARS.get(key)
+            if zero is None:
+                zero = _ZERO_SCALARS[key] = like.new_zeros(())
+        else:
+            zero = like.new_zeros(())
+        t = zero.expand(shape).as_subclass(DeferredKV)
         t.step, t.which = step, which
         return t
 

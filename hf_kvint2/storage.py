@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy
 
 
 class TokenBuffer:
@@ -21,8 +25,31 @@ class TokenBuffer:
 
     def __init__(self, dim: int):
         self.dim = dim
-        self.data: torch.Tensor | None = None
+        self._data: torch.Tensor | None = None
+        self._array = None  # numpy view of _data (array())
         self.rows = 0
+
+    @property
+    def data(self) -> torch.Tensor | None:
+        """The whole buffer (``rows`` in use, the rest spare capacity)."""
+        return self._data
+
+    @data.setter
+    def data(self, value: torch.Tensor | None) -> None:
+        self._data, self._array = value, None
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) gets a new tensor: the numpy view of the old one must not travel with it, or a
+        # writer would fill the copy of an array instead of the buffer.
+        return {**self.__dict__, "_array": None}
+
+    def array(self) -> numpy.ndarray:
+        """The whole buffer as a numpy array sharing its memory (16-bit floats as their int16 bits), made once per
+        buffer: a compiled writer's output (a decode step pays no conversion). CPU only."""
+        if self._array is None:
+            t = self._data.view(torch.int16) if self._data.dtype in (torch.float16, torch.bfloat16) else self._data
+            self._array = t.numpy()
+        return self._array
 
     def append(self, x: torch.Tensor) -> None:
         n = x.shape[self.dim]
@@ -36,6 +63,12 @@ class TokenBuffer:
     def slot(self, n: int) -> torch.Tensor:
         """The next ``n`` rows (capacity grown if needed) as a view to write into; :meth:`advance` then adds them
         (a writer that fails leaves the buffer as it was). Needs a first :meth:`append` (it fixes the shape)."""
+        self.reserve(n)
+        return self.data.narrow(self.dim, self.rows, n)
+
+    def reserve(self, n: int) -> torch.Tensor:
+        """Capacity for ``n`` more rows (grown if needed); returns the whole buffer ``data``, whose rows from
+        ``rows`` on a writer may fill before :meth:`advance`. Needs a first :meth:`append`."""
         cap = self.data.shape[self.dim]
         if self.rows + n > cap:
             wanted = max(int(self.GROWTH * cap), self.rows + n)
@@ -45,7 +78,7 @@ class TokenBuffer:
             grown = self.data.new_empty(shape)
             grown.narrow(self.dim, 0, self.rows).copy_(self.view())
             self.data = grown
-        return self.data.narrow(self.dim, self.rows, n)
+        return self.data
 
     def advance(self, n: int) -> None:
         self.rows += n

@@ -92,6 +92,7 @@ class QuantizedBody:
     lo: torch.Tensor
     norm: torch.Tensor | None
     tokens: int
+    buffers: tuple[TokenBuffer, ...] | None = None  # codes, scale, lo (, norm): a dynamic stream's, which hold them
 
     @property
     def layout(self) -> GroupLayout:
@@ -124,6 +125,7 @@ class QuantizedStream:
         self.codec = codec
         self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
         self.norm = TokenBuffer(1) if codec.layout.token_scaling else None
+        self._cpu_writer = None  # the compiled clip + quantizer of per-token groups, once a CPU append needs it
 
     @property
     def tokens(self) -> int:
@@ -140,10 +142,19 @@ class QuantizedStream:
             if norm is not None:
                 check_norms(norm, self.codec.scale_dtype)
         elif self.codes.data is not None and cpu_kernels.quantizer_supports(self.codec.layout, x):
-            # CPU, per-token groups: quantized straight into the buffers' next rows (a decode step's demotion)
+            # CPU, per-token groups: quantized straight into the buffers' next rows (a decode step's demotion), by
+            # the layout's compiled quantizer into the buffers' numpy views (made once per buffer, not per step)
             n = x.shape[2]
-            self.codec.quantize(x, out=tuple(buf.slot(n) for buf in (self.codes, self.scale, self.lo)))
-            for buf in (self.codes, self.scale, self.lo):
+            if self._cpu_writer is None:
+                codec = self.codec
+                self._cpu_writer = cpu_kernels.token_group_quantizer(x.shape[-1], codec.group, codec.layout.clip,
+                                                                     codec.scale_dtype)
+            bufs = (self.codes, self.scale, self.lo)
+            for buf in bufs:
+                buf.reserve(n)
+            xr = rotate_tokens(x, self.codec.rotation, self.codec.mean)
+            self._cpu_writer.write(xr.numpy(), *(buf.array() for buf in bufs), self.codes.rows)  # fresh fp32
+            for buf in bufs:
                 buf.advance(n)
             return
         else:
@@ -158,7 +169,7 @@ class QuantizedStream:
         """The first ``tokens`` stored tokens (default: all) as a :class:`QuantizedBody` over the buffers."""
         n = self.tokens if tokens is None else tokens
         return QuantizedBody(self.codec, self.codes.data, self.scale.data, self.lo.data,
-                             None if self.norm is None else self.norm.data, n)
+                             None if self.norm is None else self.norm.data, n, tuple(self.buffers()))
 
     def dequantize(self, rotated: bool = False) -> torch.Tensor:
         """Float32 body [B, H, T, D]: in the transformed space if ``rotated`` (norms applied), else original."""

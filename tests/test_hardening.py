@@ -342,6 +342,24 @@ def test_caches_pickle_and_deepcopy_and_continue_identically(models, kind, clone
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("clone", ["pickle", "deepcopy"])
+def test_a_copied_token_buffer_writes_into_its_own_tensor(clone):
+    """TokenBuffer.array() (the numpy view compiled writers fill) belongs to one tensor: a copy of the buffer makes
+    its own from the copied tensor instead of carrying a copy of the old array (which writes would never reach)."""
+    from hf_kvint2.storage import TokenBuffer
+
+    for dtype in (torch.float32, torch.float16):
+        buf = TokenBuffer(2)
+        buf.append(torch.zeros(1, 2, 3, 4, dtype=dtype))
+        buf.array()  # made before the copy
+        copied = pickle.loads(pickle.dumps(buf)) if clone == "pickle" else copy.deepcopy(buf)
+        copied.reserve(1)[0, 0, 3, 0] = 1.0
+        copied.array()[0, 1, 0, 0] = 15360  # 1.0 as float16 bits, or a float32 denormal-free nonzero
+        copied.advance(1)
+        assert copied.data[0, 0, 3, 0] == 1 and copied.data[0, 1, 0, 0] != 0
+        assert not buf.data.any()
+
+
 # ---------------------------------------------------------------------------------------------- 9 memory after crop
 def held_bytes(layer) -> int:
     """Bytes of every storage a layer references (what it keeps alive), each storage once."""
