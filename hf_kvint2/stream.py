@@ -125,7 +125,23 @@ class QuantizedStream:
         self.codec = codec
         self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
         self.norm = TokenBuffer(1) if codec.layout.token_scaling else None
-        self._cpu_writer = None  # the compiled clip + quantizer of per-token groups, once a CPU append needs it
+        self._cpu_writer = self._compiled_writer(codec)
+
+    @staticmethod
+    def _compiled_writer(codec: StreamCodec) -> cpu_kernels.TokenGroupQuantizer | None:
+        """The compiled clip + quantizer of this stream's CPU appends: per-token groups without token scaling, with
+        Numba installed (else None)."""
+        layout, d = codec.layout, codec.rotation.shape[-1]
+        if cpu_kernels.available() and layout.axis == "token" and not layout.token_scaling and d % codec.group == 0:
+            return cpu_kernels.token_group_quantizer(d, codec.group, layout.clip, codec.scale_dtype)
+        return None
+
+    def __getstate__(self) -> dict:  # a copy (pickle, deepcopy) looks its compiled writer up again
+        return {**self.__dict__, "_cpu_writer": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._cpu_writer = self._compiled_writer(self.codec)
 
     @property
     def tokens(self) -> int:
@@ -137,26 +153,23 @@ class QuantizedStream:
     def append(self, x: torch.Tensor) -> None:
         # The body is data, not part of the autograd graph: no gradient flows through INT2 codes (README).
         x = x.detach()
+        writer = self._cpu_writer
+        if writer is not None and x.is_cpu and self.codes.data is not None and not torch.compiler.is_compiling():
+            # CPU, per-token groups (a decode step's demotion): rotated, then clipped and quantized by the layout's
+            # compiled quantizer straight into the buffers' next rows, through their numpy views (made once per
+            # buffer). Few Python steps: inside a model's step each costs microseconds.
+            n, codes, scale, lo = x.shape[2], self.codes, self.scale, self.lo
+            codes.reserve(n)
+            scale.reserve(n)
+            lo.reserve(n)
+            xr = rotate_tokens(x, self.codec.rotation, self.codec.mean)  # a fresh float32 tensor
+            writer.write(xr.numpy(), codes.array(), scale.array(), lo.array(), codes.rows)
+            codes.rows = scale.rows = lo.rows = codes.rows + n
+            return
         if self.codec.shard is None and kernels.kernels_enabled_for(x):  # CUDA: fused Triton transform + pack
             q, norm = kernels.quantize_stream(self.codec, x)
             if norm is not None:
                 check_norms(norm, self.codec.scale_dtype)
-        elif self.codes.data is not None and cpu_kernels.quantizer_supports(self.codec.layout, x):
-            # CPU, per-token groups: quantized straight into the buffers' next rows (a decode step's demotion), by
-            # the layout's compiled quantizer into the buffers' numpy views (made once per buffer, not per step)
-            n = x.shape[2]
-            if self._cpu_writer is None:
-                codec = self.codec
-                self._cpu_writer = cpu_kernels.token_group_quantizer(x.shape[-1], codec.group, codec.layout.clip,
-                                                                     codec.scale_dtype)
-            bufs = (self.codes, self.scale, self.lo)
-            for buf in bufs:
-                buf.reserve(n)
-            xr = rotate_tokens(x, self.codec.rotation, self.codec.mean)
-            self._cpu_writer.write(xr.numpy(), *(buf.array() for buf in bufs), self.codes.rows)  # fresh fp32
-            for buf in bufs:
-                buf.advance(n)
-            return
         else:
             q, norm = self.codec.quantize(x)
         self.codes.append(q.codes)
