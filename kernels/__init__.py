@@ -30,13 +30,40 @@ kernels run on CPU tensors (tests/conftest.py sets it when no GPU is present). G
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
+import os
+import sys
 
 import torch
 
+
+def _hand_over_to_the_installed_kernels_library() -> None:
+    """This folder imported as a top-level ``kernels``: put Hugging Face's ``kernels`` library, if installed, in its
+    place in ``sys.modules`` (the import statement then returns that module).
+
+    Python run from a checkout's root (``python -m pytest``, ``python -m hf_kvint2.demo``) puts the root on sys.path,
+    where this folder shadows the library of the same name; transformers >= 5.25 depends on that library and imports
+    names from it (``from kernels import CUDAProperties``) when its model code loads."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:  # not installed: nothing is shadowed
+        return
+    library = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = library
+    try:
+        spec.loader.exec_module(library)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
+
+
+if __name__ == "kernels":
+    _hand_over_to_the_installed_kernels_library()
+
 # The references import hf_kvint2 (absolute imports); they load on first use (PEP 562), so that a stray top-level
-# import of this folder as ``kernels`` stays free of side effects: Python run from the repository root puts it on
-# sys.path, and transformers imports ``kernels`` while it probes for the Hub package of that name.
+# import of this folder as ``kernels`` (where no library of that name is installed) stays free of side effects.
 _REFERENCES = ("layer_mask", "reference_layer_attention", "reference_quantize_tokens")
 
 

@@ -127,3 +127,23 @@ def test_checker_sees_function_level_cycles(tmp_path):
     mod.write_text("def f():\n    from hf_kvint2 import cache\n")
     found = imports_of("hf_kvint2.zzz", mod, module_files())
     assert found == [("hf_kvint2.cache", False, 2)]
+
+
+
+def test_the_kernels_folder_hands_over_to_an_installed_kernels_library(tmp_path):
+    """Python run from the repository root has the ``kernels`` folder on sys.path ahead of site-packages: imported
+    as a top-level ``kernels`` it must give way to an installed library of that name (Hugging Face's, which
+    transformers >= 5.25 imports: ``from kernels import CUDAProperties``). A stand-in library on PYTHONPATH (after
+    the root, before site-packages) plays it."""
+    import subprocess
+    import sys
+
+    library = tmp_path / "site" / "kernels"
+    library.mkdir(parents=True)
+    (library / "__init__.py").write_text("CUDAProperties = 'the installed library'\n")
+    probe = ("import kernels, hf_kvint2.kernels as ours; "
+             "print(kernels.CUDAProperties, hasattr(kernels, 'kernels_enabled_for'), hasattr(ours, 'kernels_enabled_for'))")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT}:{tmp_path / 'site'}"}
+    out = subprocess.run([sys.executable, "-c", probe], check=False, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "the installed library False True"
