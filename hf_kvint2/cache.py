@@ -77,13 +77,15 @@ class OscarCacheBase(Cache):
 
     def _window_layer(self, window: int) -> WindowLayer:
         layer = WindowLayer(sliding_window=window, storage_dtype=self.window_dtype)
-        if getattr(self, "_recording_past", False):  # asked for before this layer existed (assisted decoding)
-            layer.activate_past_recording()
+        recording = getattr(self, "_recording_past", None)
+        if recording is not None:  # asked for before this layer existed (assisted decoding)
+            layer.activate_past_recording(**recording)
         return layer
 
-    def activate_past_recording(self):
-        self._recording_past = True  # also for the layers a cache without config creates later
-        super().activate_past_recording()
+    def activate_past_recording(self, **kwargs):
+        # transformers >= 5.25 passes recurrent_states_to_keep (for linear-attention layers; windows ignore it)
+        self._recording_past = kwargs  # also for the layers a cache without config creates later
+        super().activate_past_recording(**kwargs)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self.artifact_info is not None:  # loaded from an artifact: check it fits this model (hub.check_update)
