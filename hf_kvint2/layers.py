@@ -38,10 +38,7 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
     layer is initialized, the batch, heads, head_dim and dtype it holds (``fix`` tells the user what to do);
     no NaN/Inf unless the recipe turns that off (skipped while tracing: it needs the data)."""
     if layer.is_initialized and _same_kind_as_layer(layer, k, v):  # a decode step: the checks below all pass
-        if layer.recipe.check_finite and not tracing() and not (
-                cpu_kernels.all_finite(k, v) if _CPU_FINITE_CHECK and k.is_cpu and v.is_cpu else _all_finite(k, v)):
-            raise ValueError(f"{layer._name}: key/value states contain NaN or Inf; refusing to quantize them "
-                             "(check the model's dtype: fp16 overflow is a common cause).")
+        _refuse_nonfinite(layer, k, v)
         return
     where = layer._name
     if k.dim() != 4 or v.dim() != 4:
@@ -66,8 +63,14 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
                              f"batch={layer.batch_size}, kv_heads={layer.num_heads}, head_dim={layer.head_dim}. {fix}")
         if k.dtype != layer.dtype:
             raise ValueError(f"{where}: K/V dtype changed from {layer.dtype} to {k.dtype}. {fix}")
+    _refuse_nonfinite(layer, k, v)
+
+
+def _refuse_nonfinite(layer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The last check of :func:`validate_kv`, on K/V that passed the others: no NaN/Inf unless the recipe turns
+    that off (skipped while tracing: it needs the data)."""
     if layer.recipe.check_finite and not tracing() and not _all_finite(k, v):
-        raise ValueError(f"{where}: key/value states contain NaN or Inf; refusing to quantize them "
+        raise ValueError(f"{layer._name}: key/value states contain NaN or Inf; refusing to quantize them "
                          "(check the model's dtype: fp16 overflow is a common cause).")
 
 
@@ -84,8 +87,10 @@ def _same_kind_as_layer(layer, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
     """No NaN/Inf in k or v. On CPU one compiled pass over their bits (:func:`~hf_kvint2.cpu_kernels.all_finite`);
     elsewhere one reduction and one host sync per decode step: a NaN or Inf anywhere makes the fp32 sum
-    non-finite; only then (or if finite values overflowed the sum) is every element checked."""
-    if cpu_kernels.finite_check_supports(k) and cpu_kernels.finite_check_supports(v) and k.dtype == v.dtype:
+    non-finite; only then (or if finite values overflowed the sum) is every element checked. For K/V that passed
+    :func:`validate_kv`'s other checks (rank 4, one supported dtype), outside tracing: what the compiled check
+    serves, so only the device is asked (each tensor access costs microseconds inside a model's step)."""
+    if _CPU_FINITE_CHECK and k.is_cpu and v.is_cpu:
         return cpu_kernels.all_finite(k, v)
     total = k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32)
     return bool(torch.isfinite(total)) or bool(torch.isfinite(k).all() and torch.isfinite(v).all())
