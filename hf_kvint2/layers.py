@@ -316,7 +316,7 @@ class OscarLayer(CacheLayerMixin):
             self.recent_k, self.recent_v = self.recent_k[:, :, :0], self.recent_v[:, :, :0]
         elif target <= n_sink + self.body_len:
             keep = target - n_sink
-            block = self.recipe.demotion_block
+            block = self.recipe.group_block
             aligned = (keep // block) * block
             if aligned < keep:  # only the kept part of the cut block, cloned: no view into a dequantized copy
                 k_part = self.key_body.read(self.body_len).dequantize(aligned, keep)

@@ -56,20 +56,33 @@ class LayerRecipe:
     value_mean: torch.Tensor | None = None
     check_finite: bool = True
     method: str = ""  # "oscar" or "oscar_scaled": the cache that built it (errors name that cache's fix)
+    # Per-token layouts: tokens leave the recent window this many at a time (the window holds recent_tokens ..
+    # recent_tokens + demotion_tokens - 1 tokens), so most decode steps only append to it: a demotion's fixed
+    # work (rotation, quantizer call, buffer bookkeeping) is paid once per demotion_tokens steps.
+    demotion_tokens: int = 1
 
     def __post_init__(self):
         for name in ("sink_tokens", "recent_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}.")
+        if not isinstance(self.demotion_tokens, int) or isinstance(self.demotion_tokens, bool) or \
+                self.demotion_tokens <= 0:
+            raise ValueError(f"demotion_tokens must be a positive int, got {self.demotion_tokens!r}.")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype}.")
 
     @property
-    def demotion_block(self) -> int:
-        """Tokens leave the recent window in multiples of this (1 unless a layout groups along tokens)."""
+    def group_block(self) -> int:
+        """The body's length is a multiple of this: the token group of per-channel layouts (1 for per-token ones,
+        whose body may end at any token, e.g. after a crop)."""
         blocks = [lay.group_size for lay in (self.key, self.value) if lay.axis == "channel"]
         return math.lcm(*blocks) if blocks else 1
+
+    @property
+    def demotion_block(self) -> int:
+        """Tokens leave the recent window in multiples of this: whole token groups and ``demotion_tokens``."""
+        return math.lcm(self.group_block, self.demotion_tokens)
 
     def with_overrides(self, **kw) -> LayerRecipe:
         return replace(self, **kw)
@@ -99,6 +112,13 @@ def oscar_scaled_recipe(
     )
 
 
+def default_demotion_tokens(recent_tokens: int) -> int:
+    """OSCAR's tokens leave a window of ``recent_tokens`` this many at a time by default: 16 for the default
+    256-token window, never more than a sixteenth of the window (which then holds at most ~6% more tokens), at
+    least 1 (every token, as soon as it leaves: small windows)."""
+    return max(1, min(16, recent_tokens // 16))
+
+
 def oscar_recipe(
     *,
     key_rotation: torch.Tensor | None = None,
@@ -113,9 +133,11 @@ def oscar_recipe(
     key_layout: GroupLayout | None = None,
     value_layout: GroupLayout | None = None,
     scale_dtype: torch.dtype = torch.float16,
+    demotion_tokens: int | None = None,
 ) -> LayerRecipe:
     """OSCAR (SPEC 3): rotation (calibrated ``U H P`` or Hadamard), row clipping, per-token INT2 over
-    ``min(group_size, d)`` channels, full-precision sink and recent windows."""
+    ``min(group_size, d)`` channels, full-precision sink and recent windows; tokens leave the recent window
+    ``demotion_tokens`` at a time (default :func:`default_demotion_tokens`)."""
     return LayerRecipe(
         key=key_layout or GroupLayout("token", group_size, k_clip, False),
         value=value_layout or GroupLayout("token", group_size, v_clip, False),
@@ -127,4 +149,5 @@ def oscar_recipe(
         key_mean=key_mean,
         value_mean=value_mean,
         method="oscar",
+        demotion_tokens=default_demotion_tokens(recent_tokens) if demotion_tokens is None else demotion_tokens,
     )

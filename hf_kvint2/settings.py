@@ -59,8 +59,9 @@ KINDS = {  # kind -> (check, what the error says is expected)
 # hostile file: the static caches allocate them). Settings passed in Python are not bounded here.
 MAX_HEAD_DIM = 2048  # hub.safety.MAX_HEAD_DIM: the largest head_dim an artifact may declare
 SETTING_BOUNDS = {"sink_tokens": 1 << 20, "recent_tokens": 1 << 20, "group_size": 1 << 16,
-                  "key_group_size": 1 << 16, "value_group_size": 1 << 16, "hadamard_block": MAX_HEAD_DIM}
-_OPTIONAL = ("key_group_size", "value_group_size", "hadamard_block")
+                  "key_group_size": 1 << 16, "value_group_size": 1 << 16, "hadamard_block": MAX_HEAD_DIM,
+                  "demotion_tokens": 1 << 16}
+_OPTIONAL = ("key_group_size", "value_group_size", "hadamard_block", "demotion_tokens")
 
 
 def check_setting_bounds(values: dict, where: str) -> None:
@@ -182,7 +183,12 @@ class OscarScaledSettings(_Settings):
 class OscarSettings(_Settings):
     """OSCAR (SPEC 3): windows, the per-token group size (capped at head_dim) and the clip ratios of keys and
     values (one ratio, None for no clipping, or one per layer). ``sliding_window_dtype``: the dtype
-    sliding-window layers store their window in (None: the K/V dtype; :class:`~hf_kvint2.window_layer.WindowLayer`)."""
+    sliding-window layers store their window in (None: the K/V dtype; :class:`~hf_kvint2.window_layer.WindowLayer`).
+    ``demotion_tokens``: tokens leave the recent window this many at a time (it holds ``recent_tokens`` to
+    ``recent_tokens + demotion_tokens - 1`` tokens), so a decode step pays a demotion's fixed cost once per
+    ``demotion_tokens`` steps; 1 demotes every token as soon as it leaves the window; None (the default):
+    ``recent_tokens // 16`` between 1 and 16 (:func:`~hf_kvint2.recipes.default_demotion_tokens`: 16 for the
+    default window)."""
 
     k_clip: float | tuple[float | None, ...] | None = field(default=0.96, metadata={"kind": "clip"})
     v_clip: float | tuple[float | None, ...] | None = field(default=0.92, metadata={"kind": "clip"})
@@ -191,6 +197,7 @@ class OscarSettings(_Settings):
     group_size: int = field(default=128, metadata={"kind": "positive_int"})
     scale_dtype: torch.dtype = field(default=torch.float16, metadata={"kind": "scale_dtype"})
     sliding_window_dtype: torch.dtype | None = field(default=None, metadata={"kind": "window_dtype"})
+    demotion_tokens: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
 
     def __post_init__(self):
         for name in ("k_clip", "v_clip"):  # a per-layer list is stored as a tuple (frozen, hashable)
@@ -277,7 +284,8 @@ def oscar_layer_recipe(settings: OscarSettings, calibration: OscarCalibration, l
         k_clip=settings.clip_for("k_clip", layer_idx), v_clip=settings.clip_for("v_clip", layer_idx),
         sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens, group_size=settings.group_size,
         key_mean=calibration.entry("key_means", layer_idx), value_mean=calibration.entry("value_means", layer_idx),
-        key_layout=layouts[0], value_layout=layouts[1], scale_dtype=settings.scale_dtype)
+        key_layout=layouts[0], value_layout=layouts[1], scale_dtype=settings.scale_dtype,
+        demotion_tokens=settings.demotion_tokens)
 
 
 __all__ = ["SETTINGS_VERSION", "OscarCalibration", "OscarScaledSettings", "OscarSettings", "SettingsError",

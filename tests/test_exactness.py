@@ -43,7 +43,9 @@ from hf_kvint2 import OscarCache, OscarScaledCache
 
 pytestmark = pytest.mark.slow
 
-CACHES = {"oscar_shipped": lambda config: OscarCache.from_pretrained(ARTIFACT, config=config),
+# demotion_tokens=1: one-token demotions, as recorded (tokens leaving the window in blocks, OscarCache's default
+# since, quantize the same tokens at other steps; tests/test_cache_contract.py tests that schedule).
+CACHES = {"oscar_shipped": lambda config: OscarCache.from_pretrained(ARTIFACT, config=config, demotion_tokens=1),
           "oscar_scaled": lambda config: OscarScaledCache()}
 PATHS = ("sdpa", "oscar_numba", "oscar_torch")
 
