@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,8 +38,7 @@ NAMES = {"dynamic": "DynamicCache", "oscar": "OscarCache", "scaled": "OscarScale
 def measure(context: int, rounds: int, warmup: int, seed: int) -> list[dict]:
     """Fill every cache with ``context`` tokens, run ``warmup`` untimed rounds, then ``rounds`` timed ones."""
     import torch
-    from speedlib import fill_cache, load_model, make_cache
-    from tqdm import tqdm
+    from speedlib import fill_cache, interleaved_cpu_steps, load_model, make_cache
 
     import hf_kvint2
 
@@ -56,15 +54,7 @@ def measure(context: int, rounds: int, warmup: int, seed: int) -> list[dict]:
         fill_cache(cache, config, 1, context, fused, seed=seed)
         model = models[hf_kvint2.ATTN_IMPLEMENTATION if fused else "sdpa"]
         runs[kind] = {"model": model, "cache": cache, "tokens": torch.full((1, 1), 1 + seed, dtype=torch.long)}
-    cpu = {kind: [] for kind in CACHES}
-    with torch.no_grad():
-        for r in tqdm(range(warmup + rounds), desc=f"context {context}", leave=False):
-            for kind, run in runs.items():
-                c0 = time.process_time()
-                logits = run["model"](input_ids=run["tokens"], past_key_values=run["cache"], use_cache=True).logits
-                run["tokens"] = logits[:, -1:].argmax(-1)
-                if r >= warmup:
-                    cpu[kind].append(time.process_time() - c0)
+    cpu = interleaved_cpu_steps(runs, rounds, warmup, f"context {context}")
     rows = []
     for kind in CACHES:
         ratios = [d / c for d, c in zip(cpu["dynamic"], cpu[kind])]

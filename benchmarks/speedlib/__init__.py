@@ -181,6 +181,26 @@ def time_decode_steps(model, cache, tokens, warmup: int, steps: int) -> tuple[li
     return times, cpu_times
 
 
+def interleaved_cpu_steps(runs: dict, rounds: int, warmup: int, desc: str) -> dict[str, list[float]]:
+    """One greedy decode step of every run per round, back to back (``runs``: name -> ``{"model", "cache",
+    "tokens"}``; ``tokens`` is advanced in place): ``warmup`` untimed rounds, then ``rounds`` timed ones. Returns each
+    run's process CPU seconds per timed step. A round's steps are taken within seconds of each other, so the host's
+    drift hits every run alike (the ratio a noisy machine moves least)."""
+    import torch
+    from tqdm import tqdm
+
+    cpu = {name: [] for name in runs}
+    with torch.no_grad():
+        for r in tqdm(range(warmup + rounds), desc=desc, leave=False):
+            for name, run in runs.items():
+                c0 = time.process_time()
+                logits = run["model"](input_ids=run["tokens"], past_key_values=run["cache"], use_cache=True).logits
+                run["tokens"] = logits[:, -1:].argmax(-1)
+                if r >= warmup:
+                    cpu[name].append(time.process_time() - c0)
+    return cpu
+
+
 def add_shared_options(ap: argparse.ArgumentParser, *, out_name: str, model_default: str, threads_default: int,
                        worker_metavar: tuple[str, ...]) -> None:
     """``--model``, ``--threads``, ``--out`` (under benchmarks/results by default) and the hidden ``--worker`` by which
@@ -217,8 +237,8 @@ def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str
     compiled kernels and its thread pools are its own) and return the JSON row it prints last; on failure raise
     with ``label`` and the end of its stderr."""
     cmd = [sys.executable, script, "--worker", *map(str, worker_args)]
-    for name, value in options.items():
-        cmd += [name, str(value)]
+    for name, value in options.items():  # a list value: one argument per item (an nargs="+" option)
+        cmd += [name, *map(str, value)] if isinstance(value, (list, tuple)) else [name, str(value)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode:
         raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
