@@ -33,7 +33,8 @@ def setup():
     torch.set_num_threads(1)
     model, tok = load_smollm2(torch.float32, attn_implementation="oscar")
     ids = smollm2_ids(tok)
-    make_cache = lambda: OscarCache.from_pretrained(ARTIFACT, config=model.config)
+    # demotion_tokens=1: one-token demotions, as the pinned logits were recorded (tests/test_exactness.py)
+    make_cache = lambda: OscarCache.from_pretrained(ARTIFACT, config=model.config, demotion_tokens=1)
     module = OscarExportableModule(model, make_cache(), max_cache_len=MAX_LEN, attention_block=STATIC_BLOCK)
     states, eager = [], []
     with torch.no_grad():
