@@ -123,6 +123,7 @@ class OscarLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.fused_attention = False  # set by the "oscar" attention when it reads this layer (hf_kvint2.steps)
         self.shard = shard  # set under tensor parallelism: this rank holds shard.local_kv_heads of the layer's heads
+        self._block_of: tuple = (None, 1)  # (recipe, its demotion_block): see _whole_blocks
         self._clear()
 
     def __repr__(self):
@@ -199,11 +200,13 @@ class OscarLayer(CacheLayerMixin):
         if to_sink:
             self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sink]], dim=-2)
             self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sink]], dim=-2)
+        # the chunk's tokens after the sink's (no slices when there are none: every decode step)
+        new_k, new_v = (key_states, value_states) if to_sink == 0 else \
+            (key_states[:, :, to_sink:], value_states[:, :, to_sink:])
         try:
-            if n_new > to_sink and not self._demote_past_recent(key_states[:, :, to_sink:],
-                                                                value_states[:, :, to_sink:]):
-                self.recent_k = torch.cat([self.recent_k, key_states[:, :, to_sink:]], dim=-2)
-                self.recent_v = torch.cat([self.recent_v, value_states[:, :, to_sink:]], dim=-2)
+            if n_new > to_sink and not self._demote_past_recent(new_k, new_v):
+                self.recent_k = torch.cat([self.recent_k, new_k], dim=-2)
+                self.recent_v = torch.cat([self.recent_v, new_v], dim=-2)
                 self._demote()
         except ValueError as err:  # e.g. values too large for fp16 scales: reject the update, keep the cache as it was
             self.sink_k, self.sink_v, self.recent_k, self.recent_v = before
@@ -230,8 +233,13 @@ class OscarLayer(CacheLayerMixin):
 
     def _whole_blocks(self, overflow: int) -> int:
         """Tokens that leave a window ``overflow`` tokens over its size: whole demotion blocks of them."""
-        block = self.recipe.demotion_block
-        return (overflow // block) * block if overflow > 0 else 0
+        if overflow <= 0:
+            return 0
+        recipe = self.recipe
+        if self._block_of[0] is not recipe:  # recipe.demotion_block, once per recipe (asked twice per decode step)
+            self._block_of = (recipe, recipe.demotion_block)
+        block = self._block_of[1]
+        return (overflow // block) * block
 
     def _append_to_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole demotion blocks ``k``/``v`` into the body (in steps: see ``QUANTIZE_BLOCK_TOKENS``)."""

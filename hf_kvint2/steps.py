@@ -70,7 +70,7 @@ class _Step:
     def output(self, like: torch.Tensor):
         """What ``update`` returns: placeholders once the layer is read by ``"oscar"``, else the portable view."""
         if self.layer.fused_attention:
-            return DeferredKV.make(self, 0, like), DeferredKV.make(self, 1, like)
+            return DeferredKV.pair(self, like)
         keys, values = self.materialize()
         self.release()
         return portable_output(self.layer, keys, values, self.body_tokens)
@@ -91,7 +91,10 @@ class LayerStep(_Step):
         past = layer.seq_len - n_new
         n_sink = layer.sink_k.shape[-2]
         self.layer = layer
-        self.sink_k, self.sink_v = layer.sink_k[:, :, :min(n_sink, past)], layer.sink_v[:, :, :min(n_sink, past)]
+        if n_sink <= past:  # the whole sink is past (every step after the first chunk): no slice to make
+            self.sink_k, self.sink_v = layer.sink_k, layer.sink_v
+        else:
+            self.sink_k, self.sink_v = layer.sink_k[:, :, :past], layer.sink_v[:, :, :past]
         self.body_tokens = min(max(past - n_sink, 0), layer.body_len)
         recent_past = past - n_sink - layer.body_len
         if n_new <= layer.recent_k.shape[-2]:  # the chunk is the newest part of the recent window
@@ -192,6 +195,17 @@ class DeferredKV(torch.Tensor):
     @staticmethod
     def make(step, which: int, like: torch.Tensor) -> DeferredKV:
         """A placeholder with ``like``'s batch, heads, head_dim, dtype and device, and the step's length."""
+        return DeferredKV._of(step, which, DeferredKV._zeros_like_step(step, like))
+
+    @staticmethod
+    def pair(step, like: torch.Tensor) -> tuple[DeferredKV, DeferredKV]:
+        """The K and V placeholders of a step (:meth:`make` for both, sharing one expanded zero: a decode step
+        makes two per layer)."""
+        zeros = DeferredKV._zeros_like_step(step, like)
+        return DeferredKV._of(step, 0, zeros), DeferredKV._of(step, 1, zeros)
+
+    @staticmethod
+    def _zeros_like_step(step, like: torch.Tensor) -> torch.Tensor:
         shape = (*like.shape[:2], step.seq_len, like.shape[-1])
         if type(like) is torch.Tensor and not tracing():  # never keep a fake or traced tensor
             key = (like.dtype, like.device, torch.is_inference_mode_enabled())
@@ -200,7 +214,11 @@ class DeferredKV(torch.Tensor):
                 zero = _ZERO_SCALARS[key] = like.new_zeros(())
         else:
             zero = like.new_zeros(())
-        t = zero.expand(shape).as_subclass(DeferredKV)
+        return zero.expand(shape)
+
+    @staticmethod
+    def _of(step, which: int, zeros: torch.Tensor) -> DeferredKV:
+        t = zeros.as_subclass(DeferredKV)  # an alias of its own: the two placeholders of a pair are two tensors
         t.step, t.which = step, which
         return t
 
