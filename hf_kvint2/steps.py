@@ -193,19 +193,8 @@ class DeferredKV(torch.Tensor):
     which: int
 
     @staticmethod
-    def make(step, which: int, like: torch.Tensor) -> DeferredKV:
-        """A placeholder with ``like``'s batch, heads, head_dim, dtype and device, and the step's length."""
-        return DeferredKV._of(step, which, DeferredKV._zeros_like_step(step, like))
-
-    @staticmethod
     def pair(step, like: torch.Tensor) -> tuple[DeferredKV, DeferredKV]:
-        """The K and V placeholders of a step (:meth:`make` for both, sharing one expanded zero: a decode step
-        makes two per layer)."""
-        zeros = DeferredKV._zeros_like_step(step, like)
-        return DeferredKV._of(step, 0, zeros), DeferredKV._of(step, 1, zeros)
-
-    @staticmethod
-    def _zeros_like_step(step, like: torch.Tensor) -> torch.Tensor:
+        """The step's K and V placeholders: ``like``'s batch, heads, head_dim, dtype and device, the step's length."""
         shape = (*like.shape[:2], step.seq_len, like.shape[-1])
         if type(like) is torch.Tensor and not tracing():  # never keep a fake or traced tensor
             key = (like.dtype, like.device, torch.is_inference_mode_enabled())
@@ -214,13 +203,13 @@ class DeferredKV(torch.Tensor):
                 zero = _ZERO_SCALARS[key] = like.new_zeros(())
         else:
             zero = like.new_zeros(())
-        return zero.expand(shape)
-
-    @staticmethod
-    def _of(step, which: int, zeros: torch.Tensor) -> DeferredKV:
-        t = zeros.as_subclass(DeferredKV)  # an alias of its own: the two placeholders of a pair are two tensors
-        t.step, t.which = step, which
-        return t
+        zeros = zero.expand(shape)
+        placeholders = []
+        for which in (0, 1):
+            t = zeros.as_subclass(DeferredKV)  # an alias of its own: K and V are two tensors
+            t.step, t.which = step, which
+            placeholders.append(t)
+        return placeholders[0], placeholders[1]
 
     def full(self) -> torch.Tensor:
         if self.step.body_tokens:
