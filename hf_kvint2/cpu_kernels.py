@@ -33,11 +33,12 @@ import torch
 from .quant import QuantizedGroups, scale_range_error
 from .read_path import mask_to_additive
 
-# Split-K (cpu_kernels.split_tokens): parallel tasks the body is split into when batch x KV heads is fewer, the
-# fewest tokens of a split, and the query rows per KV head above which the body is not split. A split has a fixed
-# cost (its value buckets zeroed and expanded: ~16 us per (row, KV head) at head_dim 64, measured), so a body under
-# 2 x SPLIT_MIN_TOKENS is not split: at batch 1 / 2k on one thread, 3 splits per KV head cost ~95 us per layer.
-SPLIT_TASKS = 8
+# Split-K (cpu_kernels.split_tokens): the body's tokens are split so that a step has work for every thread the kernel
+# runs with, no split under SPLIT_MIN_TOKENS tokens, and no split for more query rows per KV head than
+# SPLIT_MAX_ROWS. A split has a fixed cost (its value buckets zeroed and expanded: ~16 us per (row, KV head) at
+# head_dim 64 and ~70 us at 256, measured: about as much as 300 body tokens at either), so there are as few splits
+# as keep the threads busy: on one thread none.
+SPLIT_COST_TOKENS = 300
 SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
 
@@ -675,16 +676,30 @@ def _notice_compile(spec: tuple, seconds: float) -> None:
                       UserWarning, stacklevel=4)
 
 
-def split_tokens(n: int, rows: int, tasks: int, align: int) -> int:
-    """Body tokens per parallel task (split-K): enough splits that ``tasks`` (batch x KV heads) times the splits
-    reach ``SPLIT_TASKS`` (a batch-1 step has as many tasks as KV heads otherwise), none under
-    ``SPLIT_MIN_TOKENS`` tokens, a multiple of ``align`` (the per-channel groups); no split for many query rows
-    (a long chunk: its partials would be large). Independent of the thread count, so results do not depend on it."""
-    splits = min(-(-SPLIT_TASKS // max(tasks, 1)), n // SPLIT_MIN_TOKENS)
-    if rows > SPLIT_MAX_ROWS or splits <= 1:
+def split_tokens(n: int, rows: int, tasks: int, align: int, threads: int) -> int:
+    """Body tokens per parallel task (split-K) for a kernel running on ``threads`` threads, ``tasks`` = batch x KV
+    heads: the number of splits per task that makes the step shortest, by a cost model of the body on the threads
+    (rounds of parallel tasks, each its tokens plus a split's fixed ``SPLIT_COST_TOKENS``, and the merge's expansion
+    of each split). One thread: no split; 3 KV heads on 2 threads: 2 splits (6 tasks, 3 per thread; 3 splits would
+    leave one thread 5 of 9 tasks). None under ``SPLIT_MIN_TOKENS`` tokens, a multiple of ``align`` (the per-channel
+    groups); no split for many query rows (a long chunk: its partials would be large). The split sets the summation
+    order, so results depend on the thread count in the last bits, as PyTorch's own reductions do."""
+    tasks = max(tasks, 1)
+    most = min(n // SPLIT_MIN_TOKENS, 2 * -(-threads // tasks))
+    if rows > SPLIT_MAX_ROWS or most <= 1:
         return max(n, 1)
+
+    def cost(s: int) -> float:  # in body tokens
+        return -(-tasks * s // threads) * (n / s + SPLIT_COST_TOKENS) + -(-tasks // threads) * s * SPLIT_COST_TOKENS
+
+    splits = min(range(1, most + 1), key=cost)
     per_split = -(-n // splits)
     return -(-per_split // align) * align
+
+
+def kernel_threads() -> int:
+    """The threads the kernel runs with: torch's intra-op thread count, at most Numba's pool."""
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)) if _NUMBA else 1
 
 
 def _require_numba() -> None:
@@ -692,16 +707,16 @@ def _require_numba() -> None:
         raise ImportError("The Numba CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
 
 
-def _call_shapes(q, key_body, value_body, split: int | None) -> tuple:
+def _call_shapes(q, key_body, value_body, split: int | None, threads: int) -> tuple:
     """``(b, hq, lq, d, body tokens, kv heads, query rows per KV head, split)`` of a kernel call; ``split`` checked
-    (a positive multiple of the per-channel group sizes) or chosen by :func:`split_tokens`."""
+    (a positive multiple of the per-channel group sizes) or chosen by :func:`split_tokens` for ``threads``."""
     _require_numba()
     b, hq, lq, d = q.shape
     hkv = key_body.codes.shape[1]
     rows = (hq // hkv) * lq
     align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
     if split is None:
-        split = split_tokens(key_body.tokens, rows, b * hkv, align)
+        split = split_tokens(key_body.tokens, rows, b * hkv, align, threads)
     elif split <= 0 or split % align:
         raise ValueError(f"split={split} must be a positive multiple of the per-channel group size {align}.")
     return b, hq, lq, d, key_body.tokens, hkv, rows, split
@@ -722,15 +737,15 @@ def _mask_rows(mask, b: int, cols: int) -> torch.Tensor:
     return add.expand(b, 1, add.shape[2], cols).reshape(b, -1, cols).contiguous()
 
 
-def _run_kernel(key_body, value_body, whole: bool, kinds: tuple[int, int], *args) -> None:
-    """The kernel for these layouts and stored dtypes (compiled or loaded on first use) on torch's thread count."""
+def _run_kernel(key_body, value_body, whole: bool, kinds: tuple[int, int], threads: int, *args) -> None:
+    """The kernel for these layouts and stored dtypes (compiled or loaded on first use) on ``threads`` threads
+    (:func:`kernel_threads`)."""
     spec = (key_body.codes.shape[-1] * 4, key_body.layout.axis == "token", key_body.group,
             value_body.layout.axis == "token", value_body.group, whole, *kinds)
     kernel = _make_kernel(*spec)
     torch_threads = torch.get_num_threads()
-    threads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
     # Numba's thread count is per Python thread. Asking Numba for it costs ~10 us a call, so the count this
-    # thread last set is remembered instead (the results do not depend on it: see split_tokens).
+    # thread last set is remembered instead.
     if getattr(_numba_threads, "count", None) != threads:
         numba.set_num_threads(threads)
         _numba_threads.count = threads
@@ -758,7 +773,8 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     """Numba body partial over :class:`~hf_kvint2.stream.QuantizedBody` tokens: ``(out_rot [B, Hq, Lq, D] fp32,
     lse [B, Hq, Lq] fp32)``, see the module docstring. ``split``: body tokens per task (default
     :func:`split_tokens`; a multiple of the per-channel group sizes)."""
-    b, hq, lq, d, n, hkv, rows, split = _call_shapes(q_rot, key_body, value_body, split)
+    threads = kernel_threads()
+    b, hq, lq, d, n, hkv, rows, split = _call_shapes(q_rot, key_body, value_body, split, threads)
     padded = -(-rows // LANES) * LANES
     q = (q_rot.detach().float() * scaling).reshape(b, hkv, rows, d)
     if padded != rows:
@@ -773,7 +789,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     out = np.empty((b, hkv, padded, d), np.float32)
     lse = np.empty((b, hkv, padded), np.float32)
     rot, mean, window, _ = _unused(d)
-    _run_kernel(key_body, value_body, False, (k_kind, v_kind), q.numpy(), bias.numpy(), add.numpy(), 0, lq, kc, ks, kl, kn, vc, vs,
+    _run_kernel(key_body, value_body, False, (k_kind, v_kind), threads, q.numpy(), bias.numpy(), add.numpy(), 0, lq, kc, ks, kl, kn, vc, vs,
                 vl, vn, n, split, out, lse, np.float32(scaling), rot, mean, rot, mean, window, window, window, window)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
@@ -791,7 +807,8 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     PyTorch ops per layer cost more than the body itself at batch 1 (benchmarks/results/profile_decode_*).
     Returns [B, Hq, Lq, D] in the query's dtype. For decode steps and short chunks (see :func:`serves_layer_step`).
     """
-    b, hq, lq, d, n, hkv, rows, split = _call_shapes(query, key_body, value_body, split)
+    threads = kernel_threads()
+    b, hq, lq, d, n, hkv, rows, split = _call_shapes(query, key_body, value_body, split, threads)
     (k0, v0), (k1, v1) = before, after
     n0 = k0.shape[2]
     q = _float32_array(query).reshape(b, hkv, rows, d)  # a copy only where the query is not contiguous
@@ -803,7 +820,7 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     rot_v, mean_v = _codec_arrays(value_body.codec, none)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
-    _run_kernel(key_body, value_body, True, (k_kind, v_kind), q, no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
+    _run_kernel(key_body, value_body, True, (k_kind, v_kind), threads, q, no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
                 vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), rot_k, mean_k, rot_v, mean_v,
                 _float32_array(k0), _float32_array(v0), _float32_array(k1), _float32_array(v1))
     out = torch.from_numpy(out).view(b, hq, lq, d)

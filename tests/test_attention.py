@@ -245,6 +245,30 @@ def test_body_kernels_agree(layout, groups, query_len):
         torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
 
 
+def test_split_tokens_fills_the_threads_with_few_splits():
+    """Split-K's split count: none on one thread, none for a short body or a long chunk; at batch 1 on two threads
+    2 splits per KV head for SmolLM2's 3 KV heads (6 tasks, 3 per thread) and Gemma 3's 1, none for 8 KV heads;
+    every split a whole number of per-channel groups and at least SPLIT_MIN_TOKENS long; splits only where a thread
+    would be idle or the threads unbalanced, and not many more tasks than threads."""
+    n = 8192 - 320
+    assert cpu_kernels.split_tokens(n, 3, 3, 32, threads=1) == n
+    assert cpu_kernels.split_tokens(2 * cpu_kernels.SPLIT_MIN_TOKENS - 1, 3, 3, 1, threads=2) == \
+        2 * cpu_kernels.SPLIT_MIN_TOKENS - 1
+    assert cpu_kernels.split_tokens(n, cpu_kernels.SPLIT_MAX_ROWS + 1, 3, 1, threads=2) == n
+    for tasks, splits in ((3, 2), (1, 2), (8, 1), (23 * 3, 1)):
+        split = cpu_kernels.split_tokens(n, 3, tasks, 32, threads=2)
+        assert split % 32 == 0 or split == n
+        assert -(-n // split) == splits, (tasks, split)
+    for threads in (2, 3, 4, 8, 16):
+        for tasks in (1, 2, 3, 4, 8):
+            split = cpu_kernels.split_tokens(32768, 3, tasks, 64, threads=threads)
+            assert split % 64 == 0 and split >= cpu_kernels.SPLIT_MIN_TOKENS
+            splits = -(-32768 // split)
+            assert splits > 1 or threads <= tasks, (threads, tasks, split)  # no thread idle
+            assert splits == 1 or tasks % threads, (threads, tasks, split)  # split only for idle or unbalanced ones
+            assert tasks * splits < 2 * (threads + tasks), (threads, tasks, split)  # and not many more tasks
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_numba_split_k_matches_unsplit(layout):
@@ -259,8 +283,8 @@ def test_numba_split_k_matches_unsplit(layout):
     q = torch.randn(1, 6, 1, 16) @ layer.key_body.codec.rotation
     kml = torch.randn(1, 6, 1)
     align = math.lcm(*[s.group for s in (kb, vb) if s.layout.axis == "channel"] or [1])
-    split = cpu_kernels.split_tokens(n_tokens, 3, 2, align)
-    assert split < n_tokens and split % align == 0  # a batch-1 step is split
+    split = cpu_kernels.split_tokens(n_tokens, 3, 2, align, threads=4)
+    assert split < n_tokens and split % align == 0  # a batch-1 step on 4 threads is split
     mask = torch.ones(1, 1, 1, n_tokens, dtype=torch.bool)
     mask[..., split:2 * split] = False  # one split attends nothing
     for m in (None, mask):
