@@ -289,14 +289,15 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
 
     @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
     def kernel(q_in, bias_in, mask, col0, query_len, kc, ks, kl, kn, vc, vs, vl, vn, n, split, out, lse,
-               scaling, rot_k, mean_k, rot_v, mean_v, wk0, wv0, wk1, wv1):  # pragma: no cover
+               scaling, rot_k, mean_k, rot_v, mean_v, wk0, wv0, wk1, wv1, n1):  # pragma: no cover
         # Body kernel (not whole): q_in [B, H, RP, D] rotated and scaled, RP a multiple of LANES (padding rows are
         # zeros; the caller drops them), bias_in [B, H, RP]. Body tokens [0, n) in splits of `split` tokens: one
         # parallel task per (row, head, split) writes an unnormalised partial; the splits are merged by
         # log-sum-exp per (row, head). The mask's columns of the body start at col0.
         # Whole: q_in [B, H, rows, D] in the original space, unscaled; the windows wk0/wv0 (before the body, mask
         # columns [0, n0)) and wk1/wv1 (after it, columns from col0 + n) are attended in the original space and
-        # merged with the de-rotated body; out [B, H, rows, D] is the step's attention output.
+        # merged with the de-rotated body; out [B, H, rows, D] is the step's attention output. The window after the
+        # body is the first n1 tokens of wk1/wv1 (a dynamic layer's recent-window buffer, read in place).
         b_size, h_size = q_in.shape[0], q_in.shape[1]
         rp = -(-q_in.shape[2] // LANES) * LANES
         nbh = b_size * h_size
@@ -602,7 +603,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                             acc[r, c] += w[s, r] * part_acc[bh, s, r, c]
             if whole:
                 _merge_windows(d, q_in[b, h], scaling, mask, b, query_len, col0 + n, wk0[b, h], wv0[b, h],
-                               wk1[b, h], wv1[b, h], rot_v, mean_v, h, m, total, acc, out[b, h], lse[b, h])
+                               wk1[b, h, :n1], wv1[b, h, :n1], rot_v, mean_v, h, m, total, acc, out[b, h], lse[b, h])
             else:
                 for r in range(rp):
                     if total[r] > 0.0:
@@ -649,6 +650,18 @@ def _codec_arrays(codec, none: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         arrays = (_contiguous_array(codec.rotation), none if codec.mean is None else _contiguous_array(codec.mean))
         _CODEC_ARRAYS[codec] = arrays
     return arrays
+
+
+def _window_array(x: torch.Tensor) -> np.ndarray:
+    """A full-precision window [B, H, n, D] for the kernel, which reads its first n tokens: the float32 buffer x is
+    the first n tokens of, where it is one (a dynamic layer's recent window, appended in place: no copy of it per
+    step), else x as a C-contiguous float32 array."""
+    base = x._base
+    if (base is not None and base.dtype == torch.float32 and base.dim() == 4 and base.is_contiguous()
+            and x.storage_offset() == base.storage_offset() and x.stride() == base.stride()
+            and base.shape[:2] == x.shape[:2] and base.shape[3] == x.shape[3] and not base.requires_grad):
+        return base.numpy()
+    return _float32_array(x)
 
 
 def _contiguous_array(x: torch.Tensor) -> np.ndarray:
@@ -790,7 +803,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     lse = np.empty((b, hkv, padded), np.float32)
     rot, mean, window, _ = _unused(d)
     _run_kernel(key_body, value_body, False, (k_kind, v_kind), threads, q.numpy(), bias.numpy(), add.numpy(), 0, lq, kc, ks, kl, kn, vc, vs,
-                vl, vn, n, split, out, lse, np.float32(scaling), rot, mean, rot, mean, window, window, window, window)
+                vl, vn, n, split, out, lse, np.float32(scaling), rot, mean, rot, mean, window, window, window, window, 0)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
         out_t, lse_t = out_t[:, :, :rows], lse_t[:, :, :rows]
@@ -820,9 +833,10 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     rot_v, mean_v = _codec_arrays(value_body.codec, none)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
+    n1 = k1.shape[2]
     _run_kernel(key_body, value_body, True, (k_kind, v_kind), threads, q, no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
                 vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), rot_k, mean_k, rot_v, mean_v,
-                _float32_array(k0), _float32_array(v0), _float32_array(k1), _float32_array(v1))
+                _float32_array(k0), _float32_array(v0), _window_array(k1), _window_array(v1), n1)
     out = torch.from_numpy(out).view(b, hq, lq, d)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 

@@ -142,6 +142,9 @@ class OscarLayer(CacheLayerMixin):
         self.key_basis_open = False  # uncalibrated keys: the first demotion settles their basis (hf_kvint2.key_basis)
         self.key_range_spread: float | None = None  # what settled it (key_basis: range spread or channel-error ratio)
         self.left_padding = 0  # tokens the sink holds on top of recipe.sink_tokens (hf_kvint2.padding)
+        # (key buffer, value buffer, key view, value view): the recent window's buffers with room to append in place,
+        # while recent_k / recent_v are those views (_append_recent); anything else that sets them leaves it unused
+        self._recent_buffers: tuple | None = None
 
     @property
     def _name(self) -> str:
@@ -205,8 +208,7 @@ class OscarLayer(CacheLayerMixin):
             (key_states[:, :, to_sink:], value_states[:, :, to_sink:])
         try:
             if n_new > to_sink and not self._demote_past_recent(new_k, new_v):
-                self.recent_k = torch.cat([self.recent_k, new_k], dim=-2)
-                self.recent_v = torch.cat([self.recent_v, new_v], dim=-2)
+                self._append_recent(new_k, new_v)
                 self._demote()
         except ValueError as err:  # e.g. values too large for fp16 scales: reject the update, keep the cache as it was
             self.sink_k, self.sink_v, self.recent_k, self.recent_v = before
@@ -227,19 +229,58 @@ class OscarLayer(CacheLayerMixin):
         if self.key_basis_open or not 0 < n <= n_recent:
             return False
         self._append_to_body(self.recent_k[:, :, :n], self.recent_v[:, :, :n])
-        self.recent_k = torch.cat([self.recent_k[:, :, n:], new_k], dim=-2)
-        self.recent_v = torch.cat([self.recent_v[:, :, n:], new_v], dim=-2)
+        self._new_recent_buffers(self.recent_k[:, :, n:], self.recent_v[:, :, n:], new_k, new_v)
         return True
+
+    def _append_recent(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """Append ``new_k``/``new_v`` to the recent window: in place where its buffers have room (a decode step
+        writes one token per head instead of copying the window twice, which also kept torch's thread pool busy
+        beside the attention kernel's), else into new buffers (:meth:`_new_recent_buffers`)."""
+        bufs = self._recent_buffers
+        n, m = self.recent_k.shape[-2], new_k.shape[-2]
+        if bufs is not None and bufs[2] is self.recent_k and bufs[3] is self.recent_v and n + m <= bufs[0].shape[-2] \
+                and not tracing():
+            bufs[0][:, :, n:n + m] = new_k
+            bufs[1][:, :, n:n + m] = new_v
+            view_k, view_v = bufs[0][:, :, :n + m], bufs[1][:, :, :n + m]
+            self.recent_k, self.recent_v = view_k, view_v
+            self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
+        else:
+            self._new_recent_buffers(self.recent_k, self.recent_v, new_k, new_v)
+
+    def _new_recent_buffers(self, k: torch.Tensor, v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """The recent window = ``k`` then ``new_k`` (``v``, ``new_v``), in new buffers with room for the tokens a
+        decode step appends before the next demotion (one demotion block) when it fits the window; else (a chunk
+        longer than the window, which the demotion then cuts) exactly that long, as a concatenation."""
+        n = k.shape[-2] + new_k.shape[-2]
+        cap = self.recipe.recent_tokens + self._demotion_block()
+        if n > cap or tracing():
+            self.recent_k = torch.cat([k, new_k], dim=-2)
+            self.recent_v = torch.cat([v, new_v], dim=-2)
+            self._recent_buffers = None
+            return
+        bufs = []
+        for old, new in ((k, new_k), (v, new_v)):
+            buf = new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
+            buf[:, :, :old.shape[-2]] = old
+            buf[:, :, old.shape[-2]:n] = new
+            bufs.append(buf)
+        view_k, view_v = bufs[0][:, :, :n], bufs[1][:, :, :n]
+        self.recent_k, self.recent_v = view_k, view_v
+        self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
 
     def _whole_blocks(self, overflow: int) -> int:
         """Tokens that leave a window ``overflow`` tokens over its size: whole demotion blocks of them."""
         if overflow <= 0:
             return 0
+        block = self._demotion_block()
+        return (overflow // block) * block
+
+    def _demotion_block(self) -> int:
         recipe = self.recipe
         if self._block_of[0] is not recipe:  # recipe.demotion_block, once per recipe (asked twice per decode step)
             self._block_of = (recipe, recipe.demotion_block)
-        block = self._block_of[1]
-        return (overflow // block) * block
+        return self._block_of[1]
 
     def _append_to_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize whole demotion blocks ``k``/``v`` into the body (in steps: see ``QUANTIZE_BLOCK_TOKENS``)."""
@@ -385,5 +426,8 @@ class OscarLayer(CacheLayerMixin):
                 out["norms"] += stream.norm.nbytes
             out["allocated"] += sum(b.allocated_bytes for b in stream.buffers())
         out["allocated"] += out["full_precision"]
+        bufs = self._recent_buffers
+        if bufs is not None and bufs[2] is self.recent_k and bufs[3] is self.recent_v:  # the window's spare room
+            out["allocated"] += sum((b.numel() - t.numel()) * b.element_size() for b, t in zip(bufs[:2], bufs[2:]))
         out["elements"] = 2 * self.batch_size * self.num_heads * self.head_dim * self.seq_len
         return out

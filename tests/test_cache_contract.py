@@ -354,6 +354,51 @@ def test_oscar_tokens_leave_the_window_demotion_tokens_at_a_time(tiny_model, dem
     assert torch.stack(errors).mean() <= torch.stack(errors_single).mean() * 1.05
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_recent_window_appends_in_place_and_keeps_earlier_views(kind):
+    """Decode steps write the new token into the recent window's buffer (no new buffer between demotions); a window
+    a step handed out keeps its tokens when later steps append or demote; after a crop, a batch reorder or a failed
+    update the window is rebuilt rather than written through a stale buffer; memory_report counts the spare room
+    as allocated."""
+    torch.manual_seed(3)
+    cache = quantized_cache(kind)
+    h, d = 2, 8
+    cache.update(torch.randn(1, h, 20, d), torch.randn(1, h, 20, d), 0)
+    layer = cache.layers[0]
+    handed, in_place = [], 0
+    for _ in range(30):
+        k, v = torch.randn(1, h, 1, d), torch.randn(1, h, 1, d)
+        body_before, buffer_before = layer.body_len, layer._recent_buffers
+        cache.update(k, v, 0)
+        assert torch.equal(layer.recent_k[:, :, -1:], k) and torch.equal(layer.recent_v[:, :, -1:], v)
+        if layer.body_len == body_before and buffer_before is not None:  # no demotion: the same buffer, written
+            assert layer._recent_buffers[0] is buffer_before[0] and layer.recent_k._base is buffer_before[0]
+            in_place += 1
+        handed.append((layer.recent_k, layer.recent_k.clone()))
+    assert in_place >= 30 - 2 * (30 // layer.recipe.demotion_block + 1)
+    for view, copy_ in handed:
+        assert torch.equal(view, copy_)  # later appends and demotions left earlier windows as they were
+    report = layer.memory_bytes()
+    assert report["allocated"] > report["codes"] + report["scales"] + report["norms"] + report["full_precision"]
+    n = layer.recent_k.shape[-2]
+    cache.crop(-1)  # the window is now a shorter view of the buffer: the next append must not write through it
+    kept = layer.recent_k.clone()
+    k, v = torch.randn(1, h, 1, d), torch.randn(1, h, 1, d)
+    cache.update(k, v, 0)
+    assert layer.recent_k.shape[-2] in (n, n - layer.recipe.demotion_block)
+    assert torch.equal(layer.recent_k[:, :, -1:], k)
+    if layer.recent_k.shape[-2] == n:
+        assert torch.equal(layer.recent_k[:, :, :-1], kept)
+    cache.batch_repeat_interleave(2)
+    k2, v2 = torch.randn(2, h, 1, d), torch.randn(2, h, 1, d)
+    cache.update(k2, v2, 0)
+    assert torch.equal(layer.recent_k[:, :, -1:], k2)
+    before = layer.recent_k
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        cache.update(torch.full((2, h, 1, d), float("nan")), v2, 0)
+    assert layer.recent_k is before
+
+
 def test_crop_of_nothing_and_of_everything(tiny_model):
     model = tiny_model("llama")
     cache, _ = _filled(model, "scaled", batch=1)
