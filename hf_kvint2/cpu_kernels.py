@@ -35,9 +35,10 @@ from .read_path import mask_to_additive
 
 # Split-K (cpu_kernels.split_tokens): the body's tokens are split so that a step has work for every thread the kernel
 # runs with, no split under SPLIT_MIN_TOKENS tokens, and no split for more query rows per KV head than
-# SPLIT_MAX_ROWS. A split has a fixed cost (its value buckets zeroed and expanded: ~16 us per (row, KV head) at
-# head_dim 64 and ~70 us at 256, measured: about as much as 300 body tokens at either), so there are as few splits
-# as keep the threads busy: on one thread none.
+# SPLIT_MAX_ROWS. A split has a fixed cost (its value buckets zeroed, then summed into the first split's before the
+# one expansion: measured as ~16 us per (row, KV head) at head_dim 64 and ~70 us at 256, about as much as 300 body
+# tokens at either, when every split's buckets were expanded; less since), so there are as few splits as keep the
+# threads busy: on one thread none.
 SPLIT_COST_TOKENS = 300
 SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
@@ -201,10 +202,10 @@ if _NUMBA:
                 out[r, c] = scaling * acc[c]
 
     @numba.njit(fastmath=_FASTMATH, cache=True, nogil=True)
-    def _window_partial(d, q, scaling, mask, b, query_len, col, k, v, best, total, acc):  # pragma: no cover
-        # Attention of the query rows q [rows, D] (original space) over a full-precision window k/v [nt, D] whose
-        # mask columns start at col: per row the max score (best), the sum of exp(score - best) (total) and the
-        # unnormalised sum of values (acc [rows, D]).
+    def _window_partial(d, q, scaling, mask, b, query_len, row0, col, k, v, best, total, acc):  # pragma: no cover
+        # Attention of the query rows q [rows, D] (original space; rows row0, row0 + 1, ... of the head's) over a
+        # full-precision window k/v [nt, D] whose mask columns start at col: per row the max score (best), the sum
+        # of exp(score - best) (total) and the unnormalised sum of values (acc [rows, D]).
         rows, nt = q.shape[0], k.shape[0]
         neg_inf = np.float32(-np.inf)
         mask_rows = mask.shape[1]
@@ -219,7 +220,7 @@ if _NUMBA:
                     s += q[r, c] * k[t, c]
                 s = scaling * s
                 if mask_rows > 0:
-                    s += mask[b, (r % query_len) if mask_rows > 1 else 0, col + t]
+                    s += mask[b, ((row0 + r) % query_len) if mask_rows > 1 else 0, col + t]
                 scores[t, r] = s
                 best[r] = max(best[r], s)
         for t in range(nt):
@@ -231,9 +232,9 @@ if _NUMBA:
                         acc[r, c] += p * v[t, c]
 
     @numba.njit(fastmath=_FASTMATH, cache=True, nogil=True)
-    def _merge_windows(d, q, scaling, mask, b, query_len, col1, wk0, wv0, wk1, wv1, rot_v, mean_v, h,
+    def _merge_windows(d, q, scaling, mask, b, query_len, row0, col1, wk0, wv0, wk1, wv1, rot_v, mean_v, h,
                       m_body, l_body, acc_body, out, lse):  # pragma: no cover
-        # One (batch row, KV head) of the layer step: the body's unnormalised rotated partial (m_body, l_body,
+        # Query rows row0, row0 + 1, ... of one (batch row, KV head) of the layer step: the body's unnormalised rotated partial (m_body, l_body,
         # acc_body per query row) de-rotated (acc R_V^T + l mu_V), the windows' partials, merged by log-sum-exp
         # into out [rows, D] and lse [rows]; a row that attends nothing gets (0, -inf).
         rows = out.shape[0]
@@ -241,8 +242,8 @@ if _NUMBA:
         zero = np.float32(0.0)
         m0, l0, acc0 = np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty((rows, d), np.float32)
         m1, l1, acc1 = np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty((rows, d), np.float32)
-        _window_partial(d, q, scaling, mask, b, query_len, 0, wk0, wv0, m0, l0, acc0)
-        _window_partial(d, q, scaling, mask, b, query_len, col1, wk1, wv1, m1, l1, acc1)
+        _window_partial(d, q, scaling, mask, b, query_len, row0, 0, wk0, wv0, m0, l0, acc0)
+        _window_partial(d, q, scaling, mask, b, query_len, row0, col1, wk1, wv1, m1, l1, acc1)
         body = np.empty(d, np.float32)
         for r in range(rows):
             mb, lb = m_body[r], l_body[r]
@@ -309,44 +310,50 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
         neg_inf = np.float32(-np.inf)
         one = np.float32(1.0)
         table = codes_table
-        if whole:  # q' = scaling * (q R_K), padded to RP rows; bias = scaling * (q . mu_K)
+        if whole:  # q' = scaling * (q R_K), padded to RP rows; bias = scaling * (q . mu_K); one item per query row
             q = np.zeros((b_size, h_size, rp, d), np.float32)
             bias = np.zeros((b_size, h_size, rp), np.float32)
-            for bh in numba.prange(nbh):
-                b = bh // h_size
-                h = bh % h_size
-                _rotate_rows(d, q_in[b, h], rot_k, scaling, q[b, h])
+            rows_in = q_in.shape[2]
+            for item in numba.prange(nbh * rows_in):
+                b = item // (h_size * rows_in)
+                h = (item // rows_in) % h_size
+                r = item % rows_in
+                _rotate_rows(d, q_in[b, h, r:r + 1], rot_k, scaling, q[b, h, r:r + 1])
                 if mean_k.shape[0] > 0:
-                    for r in range(q_in.shape[2]):
-                        acc = np.float32(0.0)
-                        for c in range(d):
-                            acc += q_in[b, h, r, c] * mean_k[h, c]
-                        bias[b, h, r] = scaling * acc
+                    acc = np.float32(0.0)
+                    for c in range(d):
+                        acc += q_in[b, h, r, c] * mean_k[h, c]
+                    bias[b, h, r] = scaling * acc
         else:
             q = q_in
             bias = bias_in
         # ---- per (row, head): lut[rc, j * 256 + byte, lane] = q_r . (codes in byte j) for r = rc * LANES + lane
         # (chunk-major: the four lanes of a row chunk are one vector at a constant offset); q sums per key group
+        # (one parallel item per (row, head, row chunk, byte position): at batch 1 there are only a few (row, head)
+        # pairs, which would leave threads idle)
         lut = np.empty((nbh, n_chunks, lut_rows, LANES), np.float32)
         qsum = np.zeros((nbh, k_groups, rp), np.float32)
         if k_token_axis:
-            for bh in numba.prange(nbh):
+            for item in numba.prange(nbh * n_chunks * d4):
+                bh = item // (n_chunks * d4)
+                rc = (item // d4) % n_chunks
+                j = item % d4
                 qt = q[bh // h_size, bh % h_size]
-                for rc in range(n_chunks):
-                    lt = lut[bh, rc]
-                    for j in range(d4):
-                        for byte in range(256):
-                            c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
-                            for lane in range(LANES):
-                                r = rc * LANES + lane
-                                lt[j * 256 + byte, lane] = (qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
-                                                            + qt[r, 4 * j + 2] * c2 + qt[r, 4 * j + 3] * c3)
+                lt = lut[bh, rc]
+                for byte in range(256):
+                    c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
+                    for lane in range(LANES):
+                        r = rc * LANES + lane
+                        lt[j * 256 + byte, lane] = (qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
+                                                    + qt[r, 4 * j + 2] * c2 + qt[r, 4 * j + 3] * c3)
+            for bh in range(nbh):
+                qt = q[bh // h_size, bh % h_size]
                 for r in range(rp):
                     for c in range(d):
                         qsum[bh, c // k_group, r] += qt[r, c]
         part_m = np.empty((nbh, n_splits, rp), np.float32)
         part_l = np.empty((nbh, n_splits, rp), np.float32)
-        bucket = np.zeros((nbh, n_splits, bucket_rows, rp), np.float32)
+        bucket = np.empty((nbh, n_splits, bucket_rows, rp), np.float32)  # zeroed by its task (in parallel)
         part_lo = np.zeros((nbh, n_splits, v_groups, rp), np.float32)
         part_acc = np.zeros((nbh, n_splits, 0 if v_token_axis else rp, d), np.float32)
         for task in numba.prange(nbh * n_splits):
@@ -480,6 +487,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             if v_token_axis:
                 # bucket[j * 256 + byte, r] sums the weights of tokens whose byte j is `byte` (expanded at the merge)
                 bt = bucket[bh, s]
+                bt[:] = 0.0
                 lo_acc = part_lo[bh, s]
                 v_scale_t, v_lo_t = _stored_rows(vst, vlt, t0, ns, v_groups, v_kind)
                 for rc in range(n_chunks):
@@ -530,69 +538,48 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         w = scores[t - t0, r]
                         for c in range(d):
                             acc_v[r, c] += w * x[c]
-        # ---- merge the splits by log-sum-exp; expand the value buckets once per (row, head)
+        # ---- merge the splits by log-sum-exp; expand the value buckets once per (row, head). Three parallel loops, so
+        # that the expansion (the costly part) runs per (row, head, row chunk, byte position) on every thread
+        merged_m = np.empty((nbh, rp), np.float32)
+        merged_l = np.empty((nbh, rp), np.float32)
+        merged_acc = np.zeros((nbh, rp, d), np.float32)
         for bh in numba.prange(nbh):
-            b = bh // h_size
-            h = bh % h_size
-            m = np.full(rp, neg_inf, np.float32)
+            m = merged_m[bh]
+            m[:] = neg_inf
             for s in range(n_splits):
                 for r in range(rp):
                     m[r] = max(m[r], part_m[bh, s, r])
             w = np.zeros((n_splits, rp), np.float32)
-            total = np.zeros(rp, np.float32)
+            total = merged_l[bh]
+            total[:] = 0.0
             for s in range(n_splits):
                 for r in range(rp):
                     if part_m[bh, s, r] != neg_inf:
                         w[s, r] = np.float32(math.exp(part_m[bh, s, r] - m[r]))
                         total[r] += w[s, r] * part_l[bh, s, r]
-            acc = np.zeros((rp, d), np.float32)
+            acc = merged_acc[bh]
             if v_token_axis:
+                # the splits' buckets summed by their merge weights into the first (expansion is linear), so that
+                # one bucket per (row, head) is expanded: 4 multiply-adds per bucket entry instead of 16 per split
+                bs = bucket[bh, 0]
                 for s in range(n_splits):
-                    bs = bucket[bh, s]
                     for rc in range(n_chunks):
                         r0 = rc * LANES
                         w0, w1, w2, w3 = w[s, r0], w[s, r0 + 1], w[s, r0 + 2], w[s, r0 + 3]
-                        # channel 4j + i gets sum over bytes of (summed weight) * (code i of the byte)
-                        for j in range(d4):
-                            e00 = e01 = e02 = e03 = e10 = e11 = e12 = e13 = np.float32(0.0)
-                            e20 = e21 = e22 = e23 = e30 = e31 = e32 = e33 = np.float32(0.0)
-                            for byte in range(256):
-                                row = j * 256 + byte
-                                b0, b1, b2, b3 = bs[row, r0], bs[row, r0 + 1], bs[row, r0 + 2], bs[row, r0 + 3]
-                                c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
-                                e00 += b0 * c0
-                                e01 += b1 * c0
-                                e02 += b2 * c0
-                                e03 += b3 * c0
-                                e10 += b0 * c1
-                                e11 += b1 * c1
-                                e12 += b2 * c1
-                                e13 += b3 * c1
-                                e20 += b0 * c2
-                                e21 += b1 * c2
-                                e22 += b2 * c2
-                                e23 += b3 * c2
-                                e30 += b0 * c3
-                                e31 += b1 * c3
-                                e32 += b2 * c3
-                                e33 += b3 * c3
-                            c = 4 * j
-                            acc[r0, c] += w0 * e00
-                            acc[r0 + 1, c] += w1 * e01
-                            acc[r0 + 2, c] += w2 * e02
-                            acc[r0 + 3, c] += w3 * e03
-                            acc[r0, c + 1] += w0 * e10
-                            acc[r0 + 1, c + 1] += w1 * e11
-                            acc[r0 + 2, c + 1] += w2 * e12
-                            acc[r0 + 3, c + 1] += w3 * e13
-                            acc[r0, c + 2] += w0 * e20
-                            acc[r0 + 1, c + 2] += w1 * e21
-                            acc[r0 + 2, c + 2] += w2 * e22
-                            acc[r0 + 3, c + 2] += w3 * e23
-                            acc[r0, c + 3] += w0 * e30
-                            acc[r0 + 1, c + 3] += w1 * e31
-                            acc[r0 + 2, c + 3] += w2 * e32
-                            acc[r0 + 3, c + 3] += w3 * e33
+                        if s == 0:
+                            if n_splits > 1:  # (one split: its weight is 1, or its bucket all zeros)
+                                for row in range(bucket_rows):
+                                    bs[row, r0] *= w0
+                                    bs[row, r0 + 1] *= w1
+                                    bs[row, r0 + 2] *= w2
+                                    bs[row, r0 + 3] *= w3
+                        else:
+                            bo = bucket[bh, s]
+                            for row in range(bucket_rows):
+                                bs[row, r0] += w0 * bo[row, r0]
+                                bs[row, r0 + 1] += w1 * bo[row, r0 + 1]
+                                bs[row, r0 + 2] += w2 * bo[row, r0 + 2]
+                                bs[row, r0 + 3] += w3 * bo[row, r0 + 3]
                         for r in range(r0, r0 + LANES):
                             for c in range(d):
                                 acc[r, c] += w[s, r] * part_lo[bh, s, c // v_group, r]
@@ -601,10 +588,69 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     for r in range(rp):
                         for c in range(d):
                             acc[r, c] += w[s, r] * part_acc[bh, s, r, c]
-            if whole:
-                _merge_windows(d, q_in[b, h], scaling, mask, b, query_len, col0 + n, wk0[b, h], wv0[b, h],
-                               wk1[b, h, :n1], wv1[b, h, :n1], rot_v, mean_v, h, m, total, acc, out[b, h], lse[b, h])
-            else:
+        if v_token_axis:
+            for item in numba.prange(nbh * n_chunks * d4):
+                bh = item // (n_chunks * d4)
+                rc = (item // d4) % n_chunks
+                j = item % d4
+                r0 = rc * LANES
+                bs = bucket[bh, 0]
+                acc = merged_acc[bh]
+                # channel 4j + i gets sum over bytes of (summed weight) * (code i of the byte)
+                e00 = e01 = e02 = e03 = e10 = e11 = e12 = e13 = np.float32(0.0)
+                e20 = e21 = e22 = e23 = e30 = e31 = e32 = e33 = np.float32(0.0)
+                for byte in range(256):
+                    row = j * 256 + byte
+                    b0, b1, b2, b3 = bs[row, r0], bs[row, r0 + 1], bs[row, r0 + 2], bs[row, r0 + 3]
+                    c0, c1, c2, c3 = table[byte, 0], table[byte, 1], table[byte, 2], table[byte, 3]
+                    e00 += b0 * c0
+                    e01 += b1 * c0
+                    e02 += b2 * c0
+                    e03 += b3 * c0
+                    e10 += b0 * c1
+                    e11 += b1 * c1
+                    e12 += b2 * c1
+                    e13 += b3 * c1
+                    e20 += b0 * c2
+                    e21 += b1 * c2
+                    e22 += b2 * c2
+                    e23 += b3 * c2
+                    e30 += b0 * c3
+                    e31 += b1 * c3
+                    e32 += b2 * c3
+                    e33 += b3 * c3
+                c = 4 * j
+                acc[r0, c] += e00
+                acc[r0 + 1, c] += e01
+                acc[r0 + 2, c] += e02
+                acc[r0 + 3, c] += e03
+                acc[r0, c + 1] += e10
+                acc[r0 + 1, c + 1] += e11
+                acc[r0 + 2, c + 1] += e12
+                acc[r0 + 3, c + 1] += e13
+                acc[r0, c + 2] += e20
+                acc[r0 + 1, c + 2] += e21
+                acc[r0 + 2, c + 2] += e22
+                acc[r0 + 3, c + 2] += e23
+                acc[r0, c + 3] += e30
+                acc[r0 + 1, c + 3] += e31
+                acc[r0 + 2, c + 3] += e32
+                acc[r0 + 3, c + 3] += e33
+        if whole:  # the windows and the merge, one item per query row
+            rows_out = out.shape[2]
+            for item in numba.prange(nbh * rows_out):
+                bh = item // rows_out
+                b = bh // h_size
+                h = bh % h_size
+                r = item % rows_out
+                _merge_windows(d, q_in[b, h, r:r + 1], scaling, mask, b, query_len, r, col0 + n, wk0[b, h],
+                               wv0[b, h], wk1[b, h, :n1], wv1[b, h, :n1], rot_v, mean_v, h, merged_m[bh, r:r + 1],
+                               merged_l[bh, r:r + 1], merged_acc[bh, r:r + 1], out[b, h, r:r + 1], lse[b, h, r:r + 1])
+        else:  # the body alone: normalised, per (row, head)
+            for bh in numba.prange(nbh):
+                b = bh // h_size
+                h = bh % h_size
+                m, total, acc = merged_m[bh], merged_l[bh], merged_acc[bh]
                 for r in range(rp):
                     if total[r] > 0.0:
                         inv = one / total[r]
