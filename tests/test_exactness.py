@@ -16,8 +16,8 @@ rounding boundaries, which 30 layers carry to the logits: the AVX512 recording a
 differed by up to 0.023 (1.2e-3 relative) for OScaR and 1.8e-3 for the shipped OSCAR artifact (the same gaps,
 every path, when it was re-recorded back on an AVX512 EPYC). Re-recorded there when the CPU kernel's merge was
 restructured for two threads (the value buckets of the splits summed before one expansion, the expansion and the
-windows parallel per byte position and query row: another summation order the AVX2 machine could not be checked
-for). One intra-op thread, for the same reason.
+windows parallel per byte position and query row; then the key tables and the expansion factored by nibble:
+other summation orders the AVX2 machine could not be checked for). One intra-op thread, for the same reason.
 
 Re-record (only when a numerical change is intended, and say why in the commit):
 ``HF_KVINT2_RECORD_EXACTNESS=1 python -m pytest tests/test_exactness.py``.
