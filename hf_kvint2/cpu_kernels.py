@@ -234,9 +234,9 @@ if _NUMBA:
     @numba.njit(fastmath=_FASTMATH, cache=True, nogil=True)
     def _merge_windows(d, q, scaling, mask, b, query_len, row0, col1, wk0, wv0, wk1, wv1, rot_v, mean_v, h,
                       m_body, l_body, acc_body, out, lse):  # pragma: no cover
-        # Query rows row0, row0 + 1, ... of one (batch row, KV head) of the layer step: the body's unnormalised rotated partial (m_body, l_body,
-        # acc_body per query row) de-rotated (acc R_V^T + l mu_V), the windows' partials, merged by log-sum-exp
-        # into out [rows, D] and lse [rows]; a row that attends nothing gets (0, -inf).
+        # Query rows row0, row0 + 1, ... of one (batch row, KV head) of the layer step: the body's unnormalised
+        # rotated partial (m_body, l_body, acc_body per query row) de-rotated (acc R_V^T + l mu_V), the windows'
+        # partials, merged by log-sum-exp into out [rows, D] and lse [rows]; a row that attends nothing gets (0, -inf).
         rows = out.shape[0]
         neg_inf = np.float32(-np.inf)
         zero = np.float32(0.0)
@@ -574,14 +574,13 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     for rc in range(n_chunks):
                         r0 = rc * LANES
                         w0, w1, w2, w3 = w[s, r0], w[s, r0 + 1], w[s, r0 + 2], w[s, r0 + 3]
-                        if s == 0:
-                            if n_splits > 1:  # (one split: its weight is 1, or its bucket all zeros)
-                                for row in range(bucket_rows):
-                                    bs[row, r0] *= w0
-                                    bs[row, r0 + 1] *= w1
-                                    bs[row, r0 + 2] *= w2
-                                    bs[row, r0 + 3] *= w3
-                        else:
+                        if s == 0 and n_splits > 1:  # (one split: its weight is 1, or its bucket all zeros)
+                            for row in range(bucket_rows):
+                                bs[row, r0] *= w0
+                                bs[row, r0 + 1] *= w1
+                                bs[row, r0 + 2] *= w2
+                                bs[row, r0 + 3] *= w3
+                        elif s > 0:
                             bo = bucket[bh, s]
                             for row in range(bucket_rows):
                                 bs[row, r0] += w0 * bo[row, r0]
