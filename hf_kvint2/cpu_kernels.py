@@ -175,13 +175,15 @@ if _NUMBA:
     def _stored_rows(scale, lo, t0, n, groups, kind):  # pragma: no cover
         # A split's per-token scales and offsets (rows t0 .. t0 + n of [tokens, groups]) as float32, once, so that
         # the loops that vectorize read float32 (not widened values per row chunk)
-        scale_f = np.empty((n, groups), np.float32)
-        lo_f = np.empty((n, groups), np.float32)
-        for i in range(n):
-            for gi in range(groups):
-                scale_f[i, gi] = _stored_value(scale[t0 + i, gi], kind)
-                lo_f[i, gi] = _stored_value(lo[t0 + i, gi], kind)
-        return scale_f, lo_f
+        # flat, from offset 0: indices that are provably non-negative (no wraparound per element), so it vectorizes
+        scale_f = np.empty(n * groups, np.float32)
+        lo_f = np.empty(n * groups, np.float32)
+        scale_in = scale[t0:t0 + n].reshape(-1)
+        lo_in = lo[t0:t0 + n].reshape(-1)
+        for k in range(n * groups):
+            scale_f[k] = _stored_value(scale_in[k], kind)
+            lo_f[k] = _stored_value(lo_in[k], kind)
+        return scale_f.reshape(n, groups), lo_f.reshape(n, groups)
 
 
 if _NUMBA:
@@ -347,21 +349,22 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 rc = (item // d4) % n_chunks
                 j = item % d4
                 qt = q[bh // h_size, bh % h_size]
-                lt = lut[bh, rc]
+                lt = lut[bh, rc].reshape(-1)  # flat (constant strides), as where it is read
                 # a byte's entry = its low nibble's part (channels 4j, 4j+1) + its high nibble's (4j+2, 4j+3):
                 # two 16-entry tables and one add per entry instead of four multiply-adds
-                low = np.empty((16, LANES), np.float32)
-                high = np.empty((16, LANES), np.float32)
+                low = np.empty(16 * LANES, np.float32)
+                high = np.empty(16 * LANES, np.float32)
                 for nib in range(16):
                     c0, c1 = table[nib, 0], table[nib, 1]
                     for lane in range(LANES):
                         r = rc * LANES + lane
-                        low[nib, lane] = qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
-                        high[nib, lane] = qt[r, 4 * j + 2] * c0 + qt[r, 4 * j + 3] * c1
+                        low[nib * LANES + lane] = qt[r, 4 * j] * c0 + qt[r, 4 * j + 1] * c1
+                        high[nib * LANES + lane] = qt[r, 4 * j + 2] * c0 + qt[r, 4 * j + 3] * c1
                 for hi in range(16):
                     for lo in range(16):
                         for lane in range(LANES):
-                            lt[j * 256 + hi * 16 + lo, lane] = low[lo, lane] + high[hi, lane]
+                            at = (j * 256 + hi * 16 + lo) * LANES + lane
+                            lt[at] = low[lo * LANES + lane] + high[hi * LANES + lane]
             for bh in range(nbh):
                 qt = q[bh // h_size, bh % h_size]
                 for r in range(rp):
@@ -388,10 +391,14 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             # the split's token norms as float32, once (not per row chunk inside the loops that vectorize)
             k_norm = np.ones(ns if has_kn else 0, np.float32)
             v_norm = np.ones(ns if has_vn else 0, np.float32)
-            for i in range(k_norm.shape[0]):
-                k_norm[i] = _stored_value(kn[b, t0 + i], k_kind)
-            for i in range(v_norm.shape[0]):
-                v_norm[i] = _stored_value(vn[b, t0 + i], v_kind)
+            if has_kn:
+                kn_in = kn[b, t0:t0 + ns]  # from offset 0, as in _stored_rows
+                for i in range(ns):
+                    k_norm[i] = _stored_value(kn_in[i], k_kind)
+            if has_vn:
+                vn_in = vn[b, t0:t0 + ns]
+                for i in range(ns):
+                    v_norm[i] = _stored_value(vn_in[i], v_kind)
             # ---- scores
             if k_token_axis:
                 qs = qsum[bh]
@@ -403,24 +410,24 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     lt = lut[bh, rc].reshape(-1)
                     b0, b1, b2, b3 = bias[b, h, r0], bias[b, h, r0 + 1], bias[b, h, r0 + 2], bias[b, h, r0 + 3]
                     m0 = m1 = m2 = m3 = neg_inf  # the rows' max score, here where the scores are in registers
-                    for t in range(t0, t1):
+                    k_split = kct[t0:t1]  # indexed from 0 (provably non-negative: no wraparound per token)
+                    for i in range(ns):
                         s0 = s1 = s2 = s3 = np.float32(0.0)
                         for gi in range(k_groups):
                             a0 = a1 = a2 = a3 = np.float32(0.0)
                             for jj in range(k_gbytes):
                                 j = gi * k_gbytes + jj
-                                at = (j * 256 + np.int64(kct[t, j])) * LANES
+                                at = (j * 256 + np.int64(k_split[i, j])) * LANES
                                 a0 += lt[at]
                                 a1 += lt[at + 1]
                                 a2 += lt[at + 2]
                                 a3 += lt[at + 3]
-                            sc = k_scale_t[t - t0, gi]
-                            off = k_lo_t[t - t0, gi]
+                            sc = k_scale_t[i, gi]
+                            off = k_lo_t[i, gi]
                             s0 += sc * a0 + off * qs[gi, r0]
                             s1 += sc * a1 + off * qs[gi, r0 + 1]
                             s2 += sc * a2 + off * qs[gi, r0 + 2]
                             s3 += sc * a3 + off * qs[gi, r0 + 3]
-                        i = t - t0
                         norm = k_norm[i] if has_kn else one
                         s0, s1, s2, s3 = s0 * norm + b0, s1 * norm + b1, s2 * norm + b2, s3 * norm + b3
                         scores[i, r0], scores[i, r0 + 1], scores[i, r0 + 2], scores[i, r0 + 3] = s0, s1, s2, s3
@@ -499,7 +506,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     scores[i, r0 + 2] -= f2
                     scores[i, r0 + 3] -= f3
             _exp_nonpositive(scores.reshape(-1), np.empty(ns * rp, np.int32))
-            for rc in range(n_chunks):
+            for rc in range(0 if v_token_axis else n_chunks):  # (per-token value groups: in the bucket loop)
                 r0 = rc * LANES
                 l0 = l1 = l2 = l3 = np.float32(0.0)
                 for i in range(ns):
@@ -520,8 +527,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 for rc in range(n_chunks):
                     r0 = rc * LANES
                     # the groups' offsets (sum of weight x offset) in registers, in a pass of their own: in the
-                    # bucket loop below these sums would go through memory from token to token
-                    for gi in range(v_groups):
+                    # bucket loop below these sums would go through memory from token to token (up to two groups: there)
+                    for gi in range(v_groups if v_groups > 2 else 0):
                         l0 = l1 = l2 = l3 = np.float32(0.0)
                         for i in range(ns):
                             off = v_lo_t[i, gi] * (v_norm[i] if has_vn else one)
@@ -531,20 +538,36 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                             l3 += scores[i, r0 + 3] * off
                         lo_acc[gi, r0], lo_acc[gi, r0 + 1], lo_acc[gi, r0 + 2], lo_acc[gi, r0 + 3] = l0, l1, l2, l3
                     bf = bt[rc].reshape(-1)  # flat, as the key tables
-                    for t in range(t0, t1):
-                        i = t - t0
+                    v_split = vct[t0:t1]
+                    z0 = z1 = z2 = z3 = np.float32(0.0)  # the rows' sums of weights, in registers here
+                    y0 = y1 = y2 = y3 = np.float32(0.0)  # the first group's sums of weight x offset, likewise
+                    x0 = x1 = x2 = x3 = np.float32(0.0)  # the second's
+                    for i in range(ns):
                         norm = v_norm[i] if has_vn else one
                         p0, p1, p2, p3 = scores[i, r0], scores[i, r0 + 1], scores[i, r0 + 2], scores[i, r0 + 3]
+                        z0, z1, z2, z3 = z0 + p0, z1 + p1, z2 + p2, z3 + p3
+                        if v_groups <= 2:
+                            off = v_lo_t[i, 0] * norm
+                            y0, y1, y2, y3 = y0 + p0 * off, y1 + p1 * off, y2 + p2 * off, y3 + p3 * off
+                        if v_groups == 2:
+                            off = v_lo_t[i, 1] * norm
+                            x0, x1, x2, x3 = x0 + p0 * off, x1 + p1 * off, x2 + p2 * off, x3 + p3 * off
                         for gi in range(v_groups):
                             sc = v_scale_t[i, gi] * norm
                             w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
                             for jj in range(v_gbytes):
                                 j = gi * v_gbytes + jj
-                                at = (j * 256 + np.int64(vct[t, j])) * LANES
+                                at = (j * 256 + np.int64(v_split[i, j])) * LANES
                                 bf[at] += w0
                                 bf[at + 1] += w1
                                 bf[at + 2] += w2
                                 bf[at + 3] += w3
+                    pl = part_l[bh, s]
+                    pl[r0], pl[r0 + 1], pl[r0 + 2], pl[r0 + 3] = z0, z1, z2, z3
+                    if v_groups <= 2:
+                        lo_acc[0, r0], lo_acc[0, r0 + 1], lo_acc[0, r0 + 2], lo_acc[0, r0 + 3] = y0, y1, y2, y3
+                    if v_groups == 2:
+                        lo_acc[1, r0], lo_acc[1, r0 + 1], lo_acc[1, r0 + 2], lo_acc[1, r0 + 3] = x0, x1, x2, x3
             else:
                 acc_v = part_acc[bh, s]
                 v_scale, v_lo = np.empty(d, np.float32), np.empty(d, np.float32)  # the group's, as float32
@@ -621,7 +644,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 rc = (item // d4) % n_chunks
                 j = item % d4
                 r0 = rc * LANES
-                bs = bucket[bh, 0]
+                bs = bucket[bh, 0, rc].reshape(-1)
                 acc = merged_acc[bh]
                 # channel 4j + i gets the sum over bytes of (summed weight) * (code i of the byte): codes 0 and 1 are
                 # the low nibble's, 2 and 3 the high nibble's, so the bucket's sums per low and per high nibble (an
@@ -631,8 +654,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 for hi in range(16):
                     h0 = h1 = h2 = h3 = np.float32(0.0)
                     for lo in range(16):
-                        row = j * 256 + hi * 16 + lo
-                        b0, b1, b2, b3 = bs[rc, row, 0], bs[rc, row, 1], bs[rc, row, 2], bs[rc, row, 3]
+                        at = (j * 256 + hi * 16 + lo) * LANES
+                        b0, b1, b2, b3 = bs[at], bs[at + 1], bs[at + 2], bs[at + 3]
                         h0 += b0
                         h1 += b1
                         h2 += b2
