@@ -240,9 +240,16 @@ class OscarLayer(CacheLayerMixin):
         n, m = self.recent_k.shape[-2], new_k.shape[-2]
         if bufs is not None and bufs[2] is self.recent_k and bufs[3] is self.recent_v and n + m <= bufs[0].shape[-2] \
                 and not tracing():
-            bufs[0][:, :, n:n + m] = new_k
-            bufs[1][:, :, n:n + m] = new_v
-            view_k, view_v = bufs[0][:, :, :n + m], bufs[1][:, :, :n + m]
+            if new_k.dtype == torch.float32 and bufs[0].dtype == torch.float32 and new_k.is_cpu and \
+                    not (new_k.requires_grad or new_v.requires_grad or bufs[0].requires_grad):
+                # float32 on CPU: written through numpy views (one C call each, where torch's indexing costs several
+                # dispatches per write inside a model's step)
+                bufs[0].numpy()[:, :, n:n + m] = new_k.numpy()
+                bufs[1].numpy()[:, :, n:n + m] = new_v.numpy()
+            else:
+                bufs[0][:, :, n:n + m] = new_k
+                bufs[1][:, :, n:n + m] = new_v
+            view_k, view_v = bufs[0].narrow(2, 0, n + m), bufs[1].narrow(2, 0, n + m)
             self.recent_k, self.recent_v = view_k, view_v
             self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
         else:
