@@ -240,7 +240,8 @@ class OscarLayer(CacheLayerMixin):
         n, m = self.recent_k.shape[-2], new_k.shape[-2]
         if bufs is not None and bufs[2] is self.recent_k and bufs[3] is self.recent_v and n + m <= bufs[0].shape[-2] \
                 and not tracing():
-            if new_k.dtype == torch.float32 and bufs[0].dtype == torch.float32 and new_k.is_cpu and \
+            if new_k.dtype == torch.float32 and new_v.dtype == torch.float32 and bufs[0].dtype == torch.float32 and \
+                    new_k.is_cpu and new_v.is_cpu and bufs[0].is_cpu and \
                     not (new_k.requires_grad or new_v.requires_grad or bufs[0].requires_grad):
                 # float32 on CPU: written through numpy views (one C call each, where torch's indexing costs several
                 # dispatches per write inside a model's step)
