@@ -188,6 +188,16 @@ if _NUMBA:
         return scale_f.reshape(n, groups), lo_f.reshape(n, groups)
 
 
+    @numba.njit(cache=True, nogil=True)
+    def _stored_norms(norm, t0, n, kind):  # pragma: no cover
+        # A split's per-token norms (entries t0 .. t0 + n) as float32, once; flat from offset 0, as _stored_rows
+        out = np.empty(n, np.float32)
+        norm_in = norm[t0:t0 + n]
+        for i in range(n):
+            out[i] = _stored_value(norm_in[i], kind)
+        return out
+
+
 if _NUMBA:
     # Helpers of the kernel's layer-step variant. head_dim ``d`` is passed from the kernel, where it is a
     # compile-time constant: LLVM inlines them and the per-channel loops unroll and vectorize (~5x faster than a
@@ -392,16 +402,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             x = np.empty(d, np.float32)
             kct, kst, klt = kc[b, h], ks[b, h], kl[b, h]
             # the split's token norms as float32, once (not per row chunk inside the loops that vectorize)
-            k_norm = np.ones(ns if has_kn else 0, np.float32)
-            v_norm = np.ones(ns if has_vn else 0, np.float32)
-            if has_kn:
-                kn_in = kn[b, t0:t0 + ns]  # from offset 0, as in _stored_rows
-                for i in range(ns):
-                    k_norm[i] = _stored_value(kn_in[i], k_kind)
-            if has_vn:
-                vn_in = vn[b, t0:t0 + ns]
-                for i in range(ns):
-                    v_norm[i] = _stored_value(vn_in[i], v_kind)
+            k_norm = _stored_norms(kn[b], t0, ns if has_kn else 0, k_kind)
+            v_norm = _stored_norms(vn[b], t0, ns if has_vn else 0, v_kind)
             # ---- scores
             if k_token_axis:
                 qs = qsum[bh]
