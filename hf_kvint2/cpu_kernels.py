@@ -38,7 +38,7 @@ from .read_path import mask_to_additive
 # SPLIT_MAX_ROWS. A split has a fixed cost (its value buckets zeroed, then summed into the first split's before the
 # one expansion: measured as ~16 us per (row, KV head) at head_dim 64 and ~70 us at 256, about as much as 300 body
 # tokens at either, when every split's buckets were expanded; less since), so there are as few splits as keep the
-# threads busy: on one thread none.
+# threads busy: on one thread none. split_tokens caches its answers, so these are read once per argument tuple.
 SPLIT_COST_TOKENS = 300
 SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
@@ -968,11 +968,16 @@ def serves_layer_step(query, key_body) -> bool:
 _SCALE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
+def quantizer_serves_layout(layout) -> bool:
+    """Whether the compiled quantizer (:class:`TokenGroupQuantizer`) can write this layout: per-token groups without
+    omni-token scaling, with Numba installed."""
+    return _NUMBA and layout.axis == "token" and not layout.token_scaling
+
+
 def quantizer_supports(layout, x: torch.Tensor) -> bool:
-    """Whether :func:`quantize_token_groups` serves this layout and input (per-token groups without omni-token
-    scaling, CPU, eager)."""
-    return (_NUMBA and layout.axis == "token" and not layout.token_scaling and x.device.type == "cpu"
-            and not torch.compiler.is_compiling())
+    """Whether :func:`quantize_token_groups` serves this layout and input (:func:`quantizer_serves_layout`, CPU,
+    eager)."""
+    return quantizer_serves_layout(layout) and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 if _NUMBA:

@@ -132,7 +132,7 @@ class QuantizedStream:
         """The compiled clip + quantizer of this stream's CPU appends: per-token groups without token scaling, with
         Numba installed (else None)."""
         layout, d = codec.layout, codec.rotation.shape[-1]
-        if cpu_kernels.available() and layout.axis == "token" and not layout.token_scaling and d % codec.group == 0:
+        if cpu_kernels.quantizer_serves_layout(layout) and d % codec.group == 0:
             return cpu_kernels.token_group_quantizer(d, codec.group, layout.clip, codec.scale_dtype)
         return None
 
