@@ -147,6 +147,21 @@ if _NUMBA:
 
         return _nb_types.float32(bits), codegen
 
+    @_intrinsic
+    def _two_bit_code(typingctx, byte, shift):  # pragma: no cover
+        # (byte >> shift) & 3 as float32, in 32-bit integer arithmetic: Numba widens integer operations to 64 bits,
+        # and a loop of 64-bit lanes unpacks half as many codes per vector instruction (1.3x slower key scores)
+        if not isinstance(byte, _nb_types.Integer) or not isinstance(shift, _nb_types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = _llvm_ir.IntType(32)
+            word = _low_bits(builder, args[0], 32)
+            code = builder.and_(builder.lshr(word, _low_bits(builder, args[1], 32)), _llvm_ir.Constant(i32, 3))
+            return builder.uitofp(code, _llvm_ir.FloatType())
+
+        return _nb_types.float32(byte, shift), codegen
+
     _TWO_POW_112 = np.float32(2.0 ** 112)
 
     @numba.njit(cache=True, nogil=True)
@@ -471,11 +486,11 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         q_lo[r] = acc
                     group_codes = kct[g0:g1].reshape(-1)
                     for k in range((g1 - g0) * d4):
-                        v = np.int32(group_codes[k])
-                        planes[0, k] = np.float32(v & 3)
-                        planes[1, k] = np.float32((v >> 2) & 3)
-                        planes[2, k] = np.float32((v >> 4) & 3)
-                        planes[3, k] = np.float32(v >> 6)
+                        v = group_codes[k]
+                        planes[0, k] = _two_bit_code(v, 0)
+                        planes[1, k] = _two_bit_code(v, 2)
+                        planes[2, k] = _two_bit_code(v, 4)
+                        planes[3, k] = _two_bit_code(v, 6)
                     for t in range(g0, g1):
                         norm = k_norm[t - t0] if has_kn else one
                         base = (t - g0) * d4
