@@ -3,7 +3,8 @@
 Same contract as :func:`hf_kvint2.read_path.body_partial_blocked` (its PyTorch fallback; registered in
 :mod:`hf_kvint2.backends`). The query rows of one KV head (``groups * query_len``, padded to a multiple of four)
 are scored together: key scores come from a per-(row, KV head) table of ``q . codes`` for every byte value (d/4
-lookups per token), value weights are summed into per-byte buckets and expanded once. Split-K: the body's tokens
+lookups per token), values are weighted and summed with their codes unpacked in vector registers
+(:func:`_accumulate_values`, LLVM vector IR). Split-K: the body's tokens
 are cut into splits (:func:`split_tokens`: at batch 1 a step would otherwise have as many parallel tasks as KV
 heads), one parallel task per (batch row, KV head, split) writes an unnormalised partial softmax, and the splits
 are merged by log-sum-exp. The kernel is compiled per head_dim and pair of layouts, so that its loop bounds are
@@ -35,10 +36,10 @@ from .read_path import mask_to_additive
 
 # Split-K (cpu_kernels.split_tokens): the body's tokens are split so that a step has work for every thread the kernel
 # runs with, no split under SPLIT_MIN_TOKENS tokens, and no split for more query rows per KV head than
-# SPLIT_MAX_ROWS. A split has a fixed cost (its value buckets zeroed, then summed into the first split's before the
-# one expansion: measured as ~16 us per (row, KV head) at head_dim 64 and ~70 us at 256, about as much as 300 body
-# tokens at either, when every split's buckets were expanded; less since), so there are as few splits as keep the
-# threads busy: on one thread none. split_tokens caches its answers, so these are read once per argument tuple.
+# SPLIT_MAX_ROWS. A split has a fixed cost (measured as ~16 us per (row, KV head) at head_dim 64 and ~70 us at 256,
+# about as much as 300 body tokens at either, when the values were summed into per-byte buckets that every split
+# expanded; less since: a split's value partial is now rows x head_dim floats), so there are as few splits as keep
+# the threads busy: on one thread none. split_tokens caches its answers, so these are read once per argument tuple.
 SPLIT_COST_TOKENS = 300
 SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
@@ -68,7 +69,7 @@ if _NUMBA:
 
     def _superword_vectorized(fn, *args):
         # Numba leaves LLVM's superword-level (SLP) vectorizer off by default. The kernels' four query rows per
-        # pass are four independent scalar chains (key-table sums, value-bucket updates) that it turns into one
+        # pass are four independent scalar chains (key-table sums, softmax sums) that it turns into one
         # vector: 2-2.7x faster inner loops. On for every call (a call with new argument types compiles), and
         # only there, so other Numba code keeps Numba's setting.
         before = numba.config.SLP_VECTORIZE
@@ -161,6 +162,115 @@ if _NUMBA:
             return builder.uitofp(code, _llvm_ir.FloatType())
 
         return _nb_types.float32(byte, shift), codegen
+
+    @_intrinsic
+    def _accumulate_values(typingctx, acc, acc_at, codes, weights, weight_at, weight_stride, scales, offsets, sums,
+                           sums_at, n, d4, width, group_bytes, rows):  # pragma: no cover
+        # For `rows` (<= LANES) query rows and n tokens of per-token value groups, the codes' part of the value
+        # sum in vectors of `width` bytes' codes, in registers across tokens:
+        #   acc[acc_at + ((m * LANES + r) * 4 + i) * width + lane] += sum_t w[t, r] * scales[t, g] * code_i(byte)
+        # for byte m * width + lane of token t (group g = byte // group_bytes; weights w[t, r] at weight_at + t *
+        # weight_stride + r), and the weights' sums: sums[sums_at + r * (G + 1)] += sum_t w[t, r], then per group
+        # += sum_t w[t, r] * offsets[t, g] (G = d4 // group_bytes groups). Written as LLVM vector IR: Numba's loops
+        # over array slices keep the accumulators in memory (arrays may alias), 4x slower.
+        if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, group_bytes, rows)):
+            return None
+        nd4, w, gb, lanes = d4.literal_value, width.literal_value, group_bytes.literal_value, rows.literal_value
+        groups = nd4 // gb
+
+        def codegen(context, builder, sig, args):
+            acc_a, acc_at, codes_a, wt_a, wt_at, wt_stride, sc_a, off_a, sums_a, sums_at, n = args[:11]
+            i32, i64, f32 = _llvm_ir.IntType(32), _llvm_ir.IntType(64), _llvm_ir.FloatType()
+            vf, vi = _llvm_ir.VectorType(f32, w), _llvm_ir.VectorType(i32, w)
+            vs = _llvm_ir.VectorType(f32, groups + 1)
+            undef = lambda ty: _llvm_ir.Constant(ty, _llvm_ir.Undefined)
+            k = lambda x: _llvm_ir.Constant(i64, x)
+
+            def data(index, value):
+                return context.make_array(sig.args[index])(context, builder, value).data
+
+            acc_p, codes_p, wt_p, sc_p, off_p, sums_p = (data(0, acc_a), data(2, codes_a), data(3, wt_a), data(6, sc_a),
+                                                         data(7, off_a), data(8, sums_a))
+
+            def at(p, offset, ty):
+                return builder.bitcast(builder.gep(p, [offset]), ty.as_pointer())
+
+            def splat(x, ty, lanes_):
+                v = builder.insert_element(undef(ty), x, _llvm_ir.Constant(i32, 0))
+                return builder.shuffle_vector(v, undef(ty), _llvm_ir.Constant(_llvm_ir.VectorType(i32, lanes_), [0] * lanes_))
+
+            def fma(a, b, c):
+                return builder.fadd(c, builder.fmul(a, b, flags=("contract",)), flags=("contract",))
+
+            def loop(chunk, with_sums):
+                # one pass over the tokens for byte chunk `chunk`; with_sums: also the weights' sums
+                accs0 = [builder.load(at(acc_p, builder.add(acc_at, k(((chunk * LANES + r) * 4 + i) * w)), vf), align=4)
+                         for r in range(lanes) for i in range(4)]
+                sums0 = [builder.load(at(sums_p, builder.add(sums_at, k(r * (groups + 1))), vs), align=4)
+                         for r in range(lanes)] if with_sums else []
+                entry = builder.basic_block
+                header = builder.append_basic_block("values_header")
+                body = builder.append_basic_block("values_body")
+                done = builder.append_basic_block("values_done")
+                builder.branch(header)
+                builder.position_at_end(header)
+                t = builder.phi(i64)
+                t.add_incoming(k(0), entry)
+                phis = []
+                for v in accs0 + sums0:
+                    p = builder.phi(v.type)
+                    p.add_incoming(v, entry)
+                    phis.append(p)
+                builder.cbranch(builder.icmp_signed("<", t, n), body, done)
+                builder.position_at_end(body)
+                raw = builder.load(at(codes_p, builder.add(builder.mul(t, k(nd4)), k(chunk * w)),
+                                      _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
+                word = builder.zext(raw, vi)
+                planes = [builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
+                                                      _llvm_ir.Constant(vi, [3] * w)), vf) for i in range(4)]
+                row = builder.mul(t, k(groups))
+                g0 = chunk * w // gb
+                if gb >= w:  # the chunk lies in one group
+                    scale = splat(builder.load(builder.gep(sc_p, [builder.add(row, k(g0))])), vf, w)
+                else:  # the chunk spans w // gb whole groups
+                    ng = w // gb
+                    sv = undef(_llvm_ir.VectorType(f32, ng))
+                    for g in range(ng):
+                        sv = builder.insert_element(sv, builder.load(builder.gep(sc_p, [builder.add(row, k(g0 + g))])),
+                                                    _llvm_ir.Constant(i32, g))
+                    scale = builder.shuffle_vector(sv, undef(sv.type), _llvm_ir.Constant(vi, [lane // gb for lane in range(w)]))
+                if with_sums:
+                    ov = builder.insert_element(undef(vs), _llvm_ir.Constant(f32, 1.0), _llvm_ir.Constant(i32, 0))
+                    for g in range(groups):
+                        ov = builder.insert_element(ov, builder.load(builder.gep(off_p, [builder.add(row, k(g))])),
+                                                    _llvm_ir.Constant(i32, g + 1))
+                wt_row = builder.add(wt_at, builder.mul(t, wt_stride))
+                new = []
+                new_sums = []
+                for r in range(lanes):
+                    p = builder.load(builder.gep(wt_p, [builder.add(wt_row, k(r))]))
+                    wv = builder.fmul(splat(p, vf, w), scale, flags=("contract",))
+                    new += [fma(wv, planes[i], phis[r * 4 + i]) for i in range(4)]
+                    if with_sums:
+                        new_sums.append(fma(splat(p, vs, groups + 1), ov, phis[lanes * 4 + r]))
+                end = builder.basic_block
+                t.add_incoming(builder.add(t, k(1)), end)
+                for p, v in zip(phis, new + new_sums):
+                    p.add_incoming(v, end)
+                builder.branch(header)
+                builder.position_at_end(done)
+                for m, v in enumerate(phis[:lanes * 4]):
+                    r, i = divmod(m, 4)
+                    builder.store(v, at(acc_p, builder.add(acc_at, k(((chunk * LANES + r) * 4 + i) * w)), vf), align=4)
+                for r, v in enumerate(phis[lanes * 4:]):
+                    builder.store(v, at(sums_p, builder.add(sums_at, k(r * (groups + 1))), vs), align=4)
+
+            for chunk in range(nd4 // w):
+                loop(chunk, chunk == 0)
+            return context.get_dummy_value()
+
+        return _nb_types.void(acc, acc_at, codes, weights, weight_at, weight_stride, scales, offsets, sums, sums_at, n,
+                              d4, width, group_bytes, rows), codegen
 
     _TWO_POW_112 = np.float32(2.0 ** 112)
 
@@ -322,7 +432,11 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
     k_groups, k_gbytes = (d // k_group, k_group // 4) if k_token_axis else (1, d4)
     v_groups, v_gbytes = (d // v_group, v_group // 4) if v_token_axis else (1, d4)
     lut_rows = d4 * 256 if k_token_axis else 0
-    bucket_rows = d4 * 256 if v_token_axis else 0
+    # per-token value groups: a row chunk's codes accumulated in vectors of v_width bytes' codes
+    # (_accumulate_values), a vector within one group or spanning whole groups (0: none fits, a scalar loop)
+    v_width = 0
+    if v_token_axis and v_group % 4 == 0:
+        v_width = next((w for w in (16, 8, 4) if d4 % w == 0 and (w % v_gbytes == 0 or v_gbytes % w == 0)), 0)
     codes_table = _CODES
 
     @numba.njit(parallel=True, fastmath=_FASTMATH, cache=True, nogil=True)
@@ -400,10 +514,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         qsum[bh, c // k_group, r] += qt[r, c]
         part_m = np.empty((nbh, n_splits, rp), np.float32)
         part_l = np.empty((nbh, n_splits, rp), np.float32)
-        # [.., row chunk, j * 256 + byte, lane]: a row chunk's four lanes one vector at a constant stride
-        bucket = np.empty((nbh, n_splits, n_chunks, bucket_rows, LANES), np.float32)  # zeroed by its task
         part_lo = np.zeros((nbh, n_splits, v_groups, rp), np.float32)
-        part_acc = np.zeros((nbh, n_splits, 0 if v_token_axis else rp, d), np.float32)
+        part_acc = np.zeros((nbh, n_splits, rp * d), np.float32)  # per-token groups, v_width: _accumulate_values' order
         for task in numba.prange(nbh * n_splits):
             bh = task // n_splits
             s = task % n_splits
@@ -426,7 +538,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 for rc in range(n_chunks):  # four query rows in registers; codes re-read per chunk of rows
                     r0 = rc * LANES
                     # flat: an entry's offset is (j * 256 + byte) * LANES, a constant stride (indexing the 2-D table
-                    # multiplied by its runtime row stride per lookup; 1.03x faster keys, 1.1x with the value buckets)
+                    # multiplied by its runtime row stride per lookup; 1.03x faster keys)
                     lt = lut[bh, rc].reshape(-1)
                     b0, b1, b2, b3 = bias[b, h, r0], bias[b, h, r0 + 1], bias[b, h, r0 + 2], bias[b, h, r0 + 3]
                     m0 = m1 = m2 = m3 = neg_inf  # the rows' max score, here where the scores are in registers
@@ -536,7 +648,7 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     scores[i, r0 + 2] -= f2
                     scores[i, r0 + 3] -= f3
             _exp_nonpositive(scores.reshape(-1), np.empty(ns * rp, np.int32))
-            for rc in range(0 if v_token_axis else n_chunks):  # (per-token value groups: in the bucket loop)
+            for rc in range(0 if v_token_axis else n_chunks):  # (per-token value groups: in the value loop)
                 r0 = rc * LANES
                 l0 = l1 = l2 = l3 = np.float32(0.0)
                 for i in range(ns):
@@ -548,56 +660,53 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
             # ---- values, rotated space
             vct, vst, vlt = vc[b, h], vs[b, h], vl[b, h]
             if v_token_axis:
-                # bucket[rc, j * 256 + byte, lane] sums the weights of tokens whose byte j is `byte` (expanded at the
-                # merge), for query row rc * LANES + lane
-                bt = bucket[bh, s]
-                bt[:] = 0.0
+                # sum of weight x (code x scale + offset) x norm: the codes times weight x scale x norm, and the
+                # offsets times weight x norm summed per group
                 lo_acc = part_lo[bh, s]
+                acc_v = part_acc[bh, s]
                 v_scale_t, v_lo_t = _stored_rows(vst, vlt, t0, ns, v_groups, v_kind)
-                for rc in range(n_chunks):
-                    r0 = rc * LANES
-                    # the groups' offsets (sum of weight x offset) in registers, in a pass of their own: in the
-                    # bucket loop below these sums would go through memory from token to token (up to two groups: there)
-                    for gi in range(v_groups if v_groups > 2 else 0):
-                        l0 = l1 = l2 = l3 = np.float32(0.0)
-                        for i in range(ns):
-                            off = v_lo_t[i, gi] * (v_norm[i] if has_vn else one)
-                            l0 += scores[i, r0] * off
-                            l1 += scores[i, r0 + 1] * off
-                            l2 += scores[i, r0 + 2] * off
-                            l3 += scores[i, r0 + 3] * off
-                        lo_acc[gi, r0], lo_acc[gi, r0 + 1], lo_acc[gi, r0 + 2], lo_acc[gi, r0 + 3] = l0, l1, l2, l3
-                    bf = bt[rc].reshape(-1)  # flat, as the key tables
-                    v_split = vct[t0:t1]
-                    z0 = z1 = z2 = z3 = np.float32(0.0)  # the rows' sums of weights, in registers here
-                    y0 = y1 = y2 = y3 = np.float32(0.0)  # the first group's sums of weight x offset, likewise
-                    x0 = x1 = x2 = x3 = np.float32(0.0)  # the second's
+                if has_vn:
                     for i in range(ns):
-                        norm = v_norm[i] if has_vn else one
-                        p0, p1, p2, p3 = scores[i, r0], scores[i, r0 + 1], scores[i, r0 + 2], scores[i, r0 + 3]
-                        z0, z1, z2, z3 = z0 + p0, z1 + p1, z2 + p2, z3 + p3
-                        if v_groups <= 2:
-                            off = v_lo_t[i, 0] * norm
-                            y0, y1, y2, y3 = y0 + p0 * off, y1 + p1 * off, y2 + p2 * off, y3 + p3 * off
-                        if v_groups == 2:
-                            off = v_lo_t[i, 1] * norm
-                            x0, x1, x2, x3 = x0 + p0 * off, x1 + p1 * off, x2 + p2 * off, x3 + p3 * off
                         for gi in range(v_groups):
-                            sc = v_scale_t[i, gi] * norm
-                            w0, w1, w2, w3 = p0 * sc, p1 * sc, p2 * sc, p3 * sc
-                            for jj in range(v_gbytes):
-                                j = gi * v_gbytes + jj
-                                at = (j * 256 + np.int64(v_split[i, j])) * LANES
-                                bf[at] += w0
-                                bf[at + 1] += w1
-                                bf[at + 2] += w2
-                                bf[at + 3] += w3
-                    pl = part_l[bh, s]
-                    pl[r0], pl[r0 + 1], pl[r0 + 2], pl[r0 + 3] = z0, z1, z2, z3
-                    if v_groups <= 2:
-                        lo_acc[0, r0], lo_acc[0, r0 + 1], lo_acc[0, r0 + 2], lo_acc[0, r0 + 3] = y0, y1, y2, y3
-                    if v_groups == 2:
-                        lo_acc[1, r0], lo_acc[1, r0 + 1], lo_acc[1, r0 + 2], lo_acc[1, r0 + 3] = x0, x1, x2, x3
+                            v_scale_t[i, gi] *= v_norm[i]
+                            v_lo_t[i, gi] *= v_norm[i]
+                if v_width > 0:
+                    codes_flat, weights = vct[t0:t1].reshape(-1), scores.reshape(-1)
+                    scales, offsets = v_scale_t.reshape(-1), v_lo_t.reshape(-1)
+                    sums = np.zeros(rp * (v_groups + 1), np.float32)  # per row: sum of weights, then per group
+                    for rc in range(n_chunks):
+                        r0 = rc * LANES
+                        live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
+                        sums_at = r0 * (v_groups + 1)
+                        if live == 4:
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
+                                               ns, d4, v_width, v_gbytes, 4)
+                        elif live == 3:
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
+                                               ns, d4, v_width, v_gbytes, 3)
+                        elif live == 2:
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
+                                               ns, d4, v_width, v_gbytes, 2)
+                        elif live == 1:
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
+                                               ns, d4, v_width, v_gbytes, 1)
+                    for r in range(rp):
+                        part_l[bh, s, r] = sums[r * (v_groups + 1)]
+                        for gi in range(v_groups):
+                            lo_acc[gi, r] = sums[r * (v_groups + 1) + 1 + gi]
+                else:  # channel order, code by code
+                    part_l[bh, s, :] = 0.0
+                    for t in range(t0, t1):
+                        for r in range(rp):
+                            w = scores[t - t0, r]
+                            part_l[bh, s, r] += w
+                            for gi in range(v_groups):
+                                lo_acc[gi, r] += w * v_lo_t[t - t0, gi]
+                            for j in range(d4):
+                                byte = vct[t, j]
+                                for i in range(4):
+                                    c = 4 * j + i
+                                    acc_v[r * d + c] += w * v_scale_t[t - t0, c // v_group] * table[byte, i]
             else:
                 acc_v = part_acc[bh, s]
                 v_scale, v_lo = np.empty(d, np.float32), np.empty(d, np.float32)  # the group's, as float32
@@ -618,9 +727,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     for r in range(rp):
                         w = scores[t - t0, r]
                         for c in range(d):
-                            acc_v[r, c] += w * x[c]
-        # ---- merge the splits by log-sum-exp; expand the value buckets once per (row, head). Three parallel loops, so
-        # that the expansion (the costly part) runs per (row, head, row chunk, byte position) on every thread
+                            acc_v[r * d + c] += w * x[c]
+        # ---- merge the splits by log-sum-exp, per (row, head)
         merged_m = np.empty((nbh, rp), np.float32)
         merged_l = np.empty((nbh, rp), np.float32)
         merged_acc = np.zeros((nbh, rp, d), np.float32)
@@ -640,74 +748,26 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         total[r] += w[s, r] * part_l[bh, s, r]
             acc = merged_acc[bh]
             if v_token_axis:
-                # the splits' buckets summed by their merge weights into the first (expansion is linear), so that
-                # one bucket per (row, head) is expanded: 4 multiply-adds per bucket entry instead of 16 per split
-                bs = bucket[bh, 0]
                 for s in range(n_splits):
-                    for rc in range(n_chunks):
-                        r0 = rc * LANES
-                        w0, w1, w2, w3 = w[s, r0], w[s, r0 + 1], w[s, r0 + 2], w[s, r0 + 3]
-                        if s == 0 and n_splits > 1:  # (one split: its weight is 1, or its bucket all zeros)
-                            for row in range(bucket_rows):
-                                bs[rc, row, 0] *= w0
-                                bs[rc, row, 1] *= w1
-                                bs[rc, row, 2] *= w2
-                                bs[rc, row, 3] *= w3
-                        elif s > 0:
-                            bo = bucket[bh, s]
-                            for row in range(bucket_rows):
-                                bs[rc, row, 0] += w0 * bo[rc, row, 0]
-                                bs[rc, row, 1] += w1 * bo[rc, row, 1]
-                                bs[rc, row, 2] += w2 * bo[rc, row, 2]
-                                bs[rc, row, 3] += w3 * bo[rc, row, 3]
-                        for r in range(r0, r0 + LANES):
+                    pa = part_acc[bh, s]
+                    for r in range(rp):
+                        ws = w[s, r]
+                        for c in range(d):
+                            acc[r, c] += ws * part_lo[bh, s, c // v_group, r]
+                        if v_width > 0:  # from (row chunk, byte chunk, row, code i, byte) order
+                            for m in range(d4 // v_width):
+                                at = ((r // LANES * (d4 // v_width) + m) * LANES + r % LANES) * 4 * v_width
+                                for i in range(4):
+                                    for lane in range(v_width):
+                                        acc[r, 4 * (m * v_width + lane) + i] += ws * pa[at + i * v_width + lane]
+                        else:
                             for c in range(d):
-                                acc[r, c] += w[s, r] * part_lo[bh, s, c // v_group, r]
+                                acc[r, c] += ws * pa[r * d + c]
             else:
                 for s in range(n_splits):
                     for r in range(rp):
                         for c in range(d):
-                            acc[r, c] += w[s, r] * part_acc[bh, s, r, c]
-        if v_token_axis:
-            for item in numba.prange(nbh * n_chunks * d4):
-                bh = item // (n_chunks * d4)
-                rc = (item // d4) % n_chunks
-                j = item % d4
-                r0 = rc * LANES
-                bs = bucket[bh, 0, rc].reshape(-1)
-                acc = merged_acc[bh]
-                # channel 4j + i gets the sum over bytes of (summed weight) * (code i of the byte): codes 0 and 1 are
-                # the low nibble's, 2 and 3 the high nibble's, so the bucket's sums per low and per high nibble (an
-                # add per entry) times the nibbles' codes (16 multiply-adds each) instead of 16 per entry
-                by_low = np.zeros((16, LANES), np.float32)
-                by_high = np.empty((16, LANES), np.float32)
-                for hi in range(16):
-                    h0 = h1 = h2 = h3 = np.float32(0.0)
-                    for lo in range(16):
-                        at = (j * 256 + hi * 16 + lo) * LANES
-                        b0, b1, b2, b3 = bs[at], bs[at + 1], bs[at + 2], bs[at + 3]
-                        h0 += b0
-                        h1 += b1
-                        h2 += b2
-                        h3 += b3
-                        by_low[lo, 0] += b0
-                        by_low[lo, 1] += b1
-                        by_low[lo, 2] += b2
-                        by_low[lo, 3] += b3
-                    by_high[hi, 0], by_high[hi, 1], by_high[hi, 2], by_high[hi, 3] = h0, h1, h2, h3
-                c = 4 * j
-                for lane in range(LANES):
-                    e0 = e1 = e2 = e3 = np.float32(0.0)
-                    for nib in range(16):
-                        c0, c1 = table[nib, 0], table[nib, 1]
-                        e0 += by_low[nib, lane] * c0
-                        e1 += by_low[nib, lane] * c1
-                        e2 += by_high[nib, lane] * c0
-                        e3 += by_high[nib, lane] * c1
-                    acc[r0 + lane, c] += e0
-                    acc[r0 + lane, c + 1] += e1
-                    acc[r0 + lane, c + 2] += e2
-                    acc[r0 + lane, c + 3] += e3
+                            acc[r, c] += w[s, r] * part_acc[bh, s, r * d + c]
         if whole:  # the windows and the merge, one item per query row
             rows_out = out.shape[2]
             for item in numba.prange(nbh * rows_out):

@@ -219,6 +219,14 @@ LAYOUTS = {
     "channel values, normed token values": oscar_recipe(
         sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("token", 16, None, True),
         value_layout=GroupLayout("channel", 4, None, True)),
+    # value groups of 4 channels (one byte: four groups per vector of the Numba value loop) and of 2 (part of a
+    # byte: its scalar loop)
+    "small token groups": oscar_recipe(
+        sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("token", 4, None, False),
+        value_layout=GroupLayout("token", 4, None, True)),
+    "token values in half bytes": oscar_recipe(
+        sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("token", 8, None, False),
+        value_layout=GroupLayout("token", 2, None, False)),
 }
 
 
@@ -308,12 +316,13 @@ def test_numba_split_k_matches_unsplit(layout):
 # The body layouts above with full-precision windows around the body (sink, recent tokens; one without a sink)
 STEP_LAYOUTS = {name: LAYOUTS[name].with_overrides(sink_tokens=sink, recent_tokens=recent) for name, sink, recent in
                 [("token keys, centred", 3, 5), ("channel keys with norms", 0, 6),
-                 ("channel values, normed token values", 2, 4)]}
+                 ("channel values, normed token values", 2, 4), ("small token groups", 1, 3),
+                 ("token values in half bytes", 0, 2)]}
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
-@pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3)])
+@pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (5, 1), (2, 3)])  # 2, 3, 4 and 1 rows per LANES
 def test_numba_layer_step_matches_the_pipeline(layout, groups, query_len):
     """The Numba whole-layer step (query rotated, windows attended and merged inside the kernel) == the shared
     pipeline (attend_segments) with the dense reference body, every layout, GQA, several query positions, bool and
