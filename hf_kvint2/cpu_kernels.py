@@ -2,14 +2,15 @@
 
 Same contract as :func:`hf_kvint2.read_path.body_partial_blocked` (its PyTorch fallback; registered in
 :mod:`hf_kvint2.backends`). The query rows of one KV head (``groups * query_len``, padded to a multiple of four)
-are scored together: key scores come from a per-(row, KV head) table of ``q . codes`` for every byte value (d/4
-lookups per token), values are weighted and summed with their codes unpacked in vector registers
-(:func:`_accumulate_values`, LLVM vector IR). Split-K: the body's tokens
-are cut into splits (:func:`split_tokens`: at batch 1 a step would otherwise have as many parallel tasks as KV
-heads), one parallel task per (batch row, KV head, split) writes an unnormalised partial softmax, and the splits
-are merged by log-sum-exp. The kernel is compiled per head_dim and pair of layouts, so that its loop bounds are
-constants (about 3x faster inner loops than with runtime bounds), and cached on disk (``NUMBA_CACHE_DIR``).
-Nothing of the size of a layer's full-precision K/V history is allocated.
+are scored together: per-token key groups' scores come from a per-(row, KV head) table of ``q . codes`` for every
+byte value (d/4 lookups per token), per-channel groups' from the codes unpacked in vector registers
+(:func:`_channel_key_scores`); values are weighted and summed with their codes unpacked likewise
+(:func:`_accumulate_values`; both written as LLVM vector IR). Split-K: the body's tokens are cut into splits
+(:func:`split_tokens`: at batch 1 a step would otherwise have as many parallel tasks as KV heads), one parallel task
+per (batch row, KV head, split) writes an unnormalised partial softmax, and the splits are merged by log-sum-exp.
+The kernel is compiled per head_dim and pair of layouts, so that its loop bounds are constants (about 3x faster
+inner loops than with runtime bounds), and cached on disk (``NUMBA_CACHE_DIR``). Nothing of the size of a layer's
+full-precision K/V history is allocated.
 
 :func:`layer_step_attention` is the same kernel's variant for a whole decode step of a dynamic layer: it also
 rotates the query, attends the full-precision windows and merges everything in the original space (one call per
@@ -197,7 +198,8 @@ if _NUMBA:
 
             def splat(x, ty, lanes_):
                 v = builder.insert_element(undef(ty), x, _llvm_ir.Constant(i32, 0))
-                return builder.shuffle_vector(v, undef(ty), _llvm_ir.Constant(_llvm_ir.VectorType(i32, lanes_), [0] * lanes_))
+                zeros = _llvm_ir.Constant(_llvm_ir.VectorType(i32, lanes_), [0] * lanes_)
+                return builder.shuffle_vector(v, undef(ty), zeros)
 
             def fma(a, b, c):
                 return builder.fadd(c, builder.fmul(a, b, flags=("contract",)), flags=("contract",))
@@ -238,7 +240,8 @@ if _NUMBA:
                     for g in range(ng):
                         sv = builder.insert_element(sv, builder.load(builder.gep(sc_p, [builder.add(row, k(g0 + g))])),
                                                     _llvm_ir.Constant(i32, g))
-                    scale = builder.shuffle_vector(sv, undef(sv.type), _llvm_ir.Constant(vi, [lane // gb for lane in range(w)]))
+                    spread = _llvm_ir.Constant(vi, [lane // gb for lane in range(w)])
+                    scale = builder.shuffle_vector(sv, undef(sv.type), spread)
                 if with_sums:
                     ov = builder.insert_element(undef(vs), _llvm_ir.Constant(f32, 1.0), _llvm_ir.Constant(i32, 0))
                     for g in range(groups):
@@ -271,6 +274,117 @@ if _NUMBA:
 
         return _nb_types.void(acc, acc_at, codes, weights, weight_at, weight_stride, scales, offsets, sums, sums_at, n,
                               d4, width, group_bytes, rows), codegen
+
+    def _fold_pairs(builder, a, b, segment):
+        # a, b: vectors whose lanes hold some tokens' partial sums in contiguous segments of `segment` lanes (b may be
+        # a itself). Returns the vector of a's then b's tokens (b's only when b is not a) with segments halved
+        # (each half segment summed with the other half), and its width.
+        i32 = _llvm_ir.IntType(32)
+        width = a.type.count
+        tokens = width // segment
+        sources = [(0, j) for j in range(tokens)] + ([(width, j) for j in range(tokens)] if b is not a else [])
+        half = segment // 2
+        low = [base + j * segment + u for base, j in sources for u in range(half)]
+        high = [x + half for x in low]
+        mask = lambda lanes: _llvm_ir.Constant(_llvm_ir.VectorType(i32, len(lanes)), lanes)
+        return builder.fadd(builder.shuffle_vector(a, b, mask(low)), builder.shuffle_vector(a, b, mask(high)),
+                            flags=("reassoc", "contract"))
+
+    @_intrinsic
+    def _channel_key_scores(typingctx, scores, score_at, score_stride, codes, q, q_at, q_stride, q_lo, q_lo_at, norm,
+                            norm_at, bias, bias_at, n, d4, width, block, rows):  # pragma: no cover
+        # Key scores of per-channel groups for `rows` query rows (<= LANES) and n tokens (a multiple of `block`):
+        #   scores[score_at + t * score_stride + r] = (q_r . codes of token t + q_lo[q_lo_at + r])
+        #                                             * norm[norm_at + t] + bias[bias_at + r]
+        # where token t's codes are its d4 bytes at codes[t * d4], unpacked in vector registers, and q_r (the row
+        # times the group's scales) is q[q_at + r * q_stride + i * d4 + j] for code i of byte j (plane order). The
+        # products of a token's codes with q_r are summed across lanes for `block` tokens at once (folding pairs of
+        # vectors: 3 operations per token instead of a horizontal sum's 2 log2(width)). LLVM vector IR: Numba's loops
+        # do not vectorize with the token in a lane (see the fifteenth speed run in docs/results.md).
+        if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, block, rows)):
+            return None
+        nd4, w, bt, lanes = d4.literal_value, width.literal_value, block.literal_value, rows.literal_value
+
+        def codegen(context, builder, sig, args):
+            (sc_a, sc_at, sc_stride, codes_a, q_a, q_at, q_stride, lo_a, lo_at, norm_a, norm_at, bias_a, bias_at,
+             n) = args[:14]
+            i32, i64, f32 = _llvm_ir.IntType(32), _llvm_ir.IntType(64), _llvm_ir.FloatType()
+            vf, vi = _llvm_ir.VectorType(f32, w), _llvm_ir.VectorType(i32, w)
+            k = lambda x: _llvm_ir.Constant(i64, x)
+            undef = lambda ty: _llvm_ir.Constant(ty, _llvm_ir.Undefined)
+
+            def data(index, value):
+                return context.make_array(sig.args[index])(context, builder, value).data
+
+            sc_p, codes_p, q_p, lo_p, norm_p, bias_p = (data(0, sc_a), data(3, codes_a), data(4, q_a), data(7, lo_a),
+                                                        data(9, norm_a), data(11, bias_a))
+
+            def at(p, offset, ty):
+                return builder.bitcast(builder.gep(p, [offset]), ty.as_pointer())
+
+            def splat(x, count):
+                v = builder.insert_element(undef(_llvm_ir.VectorType(f32, count)), x, _llvm_ir.Constant(i32, 0))
+                return builder.shuffle_vector(v, undef(v.type), _llvm_ir.Constant(_llvm_ir.VectorType(i32, count),
+                                                                                  [0] * count))
+
+            chunks = nd4 // w
+            def q_vector(r, m, i):  # row r's products for code i of bytes m * w ..
+                offset = builder.add(q_at, builder.add(builder.mul(k(r), q_stride), k(i * nd4 + m * w)))
+                return builder.load(at(q_p, offset, vf), align=4)
+
+            qv = [[[q_vector(r, m, i) for i in range(4)] for m in range(chunks)] for r in range(lanes)]
+            lo = [splat(builder.load(builder.gep(lo_p, [builder.add(lo_at, k(r))])), bt) for r in range(lanes)]
+            bias = [splat(builder.load(builder.gep(bias_p, [builder.add(bias_at, k(r))])), bt) for r in range(lanes)]
+            entry = builder.basic_block
+            header = builder.append_basic_block("scores_header")
+            body = builder.append_basic_block("scores_body")
+            done = builder.append_basic_block("scores_done")
+            builder.branch(header)
+            builder.position_at_end(header)
+            t = builder.phi(i64)
+            t.add_incoming(k(0), entry)
+            builder.cbranch(builder.icmp_signed("<", t, n), body, done)
+            builder.position_at_end(body)
+            stacks = [[] for _ in range(lanes)]  # per row: (vector, its tokens, segment), folded as tokens come
+            for tt in range(bt):
+                token = builder.add(t, k(tt))
+                sums = [None] * lanes
+                for m in range(chunks):
+                    raw = builder.load(at(codes_p, builder.add(builder.mul(token, k(nd4)), k(m * w)),
+                                          _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
+                    word = builder.zext(raw, vi)
+                    for i in range(4):
+                        plane = builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
+                                                            _llvm_ir.Constant(vi, [3] * w)), vf)
+                        for r in range(lanes):
+                            prod = builder.fmul(qv[r][m][i], plane, flags=("contract",))
+                            sums[r] = prod if sums[r] is None else builder.fadd(sums[r], prod,
+                                                                                flags=("reassoc", "contract"))
+                for r in range(lanes):
+                    stack = stacks[r]
+                    stack.append((sums[r], [tt], w))
+                    while len(stack) > 1 and len(stack[-1][1]) == len(stack[-2][1]) and stack[-1][2] > 1:
+                        (b_vec, b_tok, seg), (a_vec, a_tok, _) = stack.pop(), stack.pop()
+                        stack.append((_fold_pairs(builder, a_vec, b_vec, seg), a_tok + b_tok, seg // 2))
+            norms = builder.load(at(norm_p, builder.add(norm_at, t), _llvm_ir.VectorType(f32, bt)), align=4)
+            for r in range(lanes):
+                (vec, toks, seg), = stacks[r]
+                while seg > 1:  # fold within the vector until one lane per token
+                    vec, seg = _fold_pairs(builder, vec, vec, seg), seg // 2
+                order = _llvm_ir.Constant(_llvm_ir.VectorType(i32, bt), [toks.index(j) for j in range(bt)])
+                vec = builder.shuffle_vector(vec, undef(vec.type), order)  # lane j: token t + j
+                vec = builder.fadd(builder.fmul(builder.fadd(vec, lo[r], flags=("contract",)), norms,
+                                                flags=("contract",)), bias[r], flags=("contract",))
+                for j in range(bt):
+                    row = builder.add(sc_at, builder.add(builder.mul(builder.add(t, k(j)), sc_stride), k(r)))
+                    builder.store(builder.extract_element(vec, _llvm_ir.Constant(i32, j)), builder.gep(sc_p, [row]))
+            t.add_incoming(builder.add(t, k(bt)), builder.basic_block)
+            builder.branch(header)
+            builder.position_at_end(done)
+            return context.get_dummy_value()
+
+        return _nb_types.void(scores, score_at, score_stride, codes, q, q_at, q_stride, q_lo, q_lo_at, norm, norm_at,
+                              bias, bias_at, n, d4, width, block, rows), codegen
 
     _TWO_POW_112 = np.float32(2.0 ** 112)
 
@@ -434,6 +548,9 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
     lut_rows = d4 * 256 if k_token_axis else 0
     # per-token value groups: a row chunk's codes accumulated in vectors of v_width bytes' codes
     # (_accumulate_values), a vector within one group or spanning whole groups (0: none fits, a scalar loop)
+    # per-channel key groups: a token's codes in vectors of k_width bytes' codes, k_width tokens' sums folded together
+    # (_channel_key_scores; 0: head_dim not a multiple of 16, the Numba loop)
+    k_width = 0 if k_token_axis else next((w for w in (16, 8, 4) if d4 % w == 0), 0)
     v_width = 0
     if v_token_axis and v_group % 4 == 0:
         v_width = next((w for w in (16, 8, 4) if d4 % w == 0 and (w % v_gbytes == 0 or v_gbytes % w == 0)), 0)
@@ -568,9 +685,11 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     pm[r0], pm[r0 + 1], pm[r0 + 2], pm[r0 + 3] = m0, m1, m2, m3
             else:
                 # Per-channel groups: q . (code * scale + lo) = (q * scale) . code + q . lo. Per group of k_group
-                # tokens (splits start on a group): q * scale and q . lo once, and the group's codes unpacked in one
-                # flat loop that vectorizes (plane i holds bits 2i, 2i+1 of every byte), with q * scale permuted to
-                # that order (channel 4j + i at i * d4 + j). 1.7x faster than unpacking token by token.
+                # tokens (splits start on a group): q * scale and q . lo once, with q * scale permuted to the codes'
+                # plane order (channel 4j + i at i * d4 + j: plane i holds bits 2i, 2i+1 of every byte); the scores
+                # in _channel_key_scores (codes unpacked in registers, k_width tokens' sums folded together; 1.15x
+                # faster kernel than the loops below), else the group's codes unpacked in one flat loop that
+                # vectorizes and a dot per token and row.
                 # the query rows in plane order once per task: per group only a product and a dot, both contiguous
                 q_planes = np.empty((rp, d), np.float32)
                 for r in range(rp):
@@ -578,6 +697,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         for j in range(d4):
                             q_planes[r, i * d4 + j] = qt[r, 4 * j + i]
                 q_perm = np.empty((rp, d), np.float32)
+                q_perm_flat, scores_flat, bias_bh = q_perm.reshape(-1), scores.reshape(-1), bias[b, h]
+                k_norm_or_one = k_norm if has_kn else np.ones(ns, np.float32)
                 q_lo = np.empty(rp, np.float32)
                 planes = np.empty((4, k_group * d4), np.float32)
                 k_scale = np.empty(d, np.float32)  # the group's scales in plane order
@@ -596,6 +717,42 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                             q_perm[r, c] = q_planes[r, c] * k_scale[c]
                             acc += qt[r, c] * k_lo[c]
                         q_lo[r] = acc
+                    group_codes = kct[g0:g1].reshape(-1)
+                    if k_width > 0:
+                        full = (g1 - g0) // k_width * k_width
+                        rest_codes = group_codes[full * d4:]
+                        for rc in range(n_chunks):
+                            r0 = rc * LANES
+                            live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
+                            at0, at1 = (g0 - t0) * rp + r0, (g0 - t0 + full) * rp + r0
+                            if live == 4:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 4)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
+                                                    k_width, 1, 4)
+                            elif live == 3:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 3)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
+                                                    k_width, 1, 3)
+                            elif live == 2:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 2)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
+                                                    k_width, 1, 2)
+                            elif live == 1:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 1)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
+                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
+                                                    k_width, 1, 1)
+                        for t in range(g0 - t0, g1 - t0):
+                            for r in range(live_rows, rp):  # padding rows: their scores are never read
+                                scores[t, r] = neg_inf
+                        continue
                     group_codes = kct[g0:g1].reshape(-1)
                     for k in range((g1 - g0) * d4):
                         v = group_codes[k]
@@ -679,17 +836,17 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
                         sums_at = r0 * (v_groups + 1)
                         if live == 4:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
-                                               ns, d4, v_width, v_gbytes, 4)
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
+                                               sums_at, ns, d4, v_width, v_gbytes, 4)
                         elif live == 3:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
-                                               ns, d4, v_width, v_gbytes, 3)
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
+                                               sums_at, ns, d4, v_width, v_gbytes, 3)
                         elif live == 2:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
-                                               ns, d4, v_width, v_gbytes, 2)
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
+                                               sums_at, ns, d4, v_width, v_gbytes, 2)
                         elif live == 1:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums, sums_at,
-                                               ns, d4, v_width, v_gbytes, 1)
+                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
+                                               sums_at, ns, d4, v_width, v_gbytes, 1)
                     for r in range(rp):
                         part_l[bh, s, r] = sums[r * (v_groups + 1)]
                         for gi in range(v_groups):

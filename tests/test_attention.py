@@ -234,12 +234,26 @@ LAYOUTS = {
 @pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3)])
 def test_body_kernels_agree(layout, groups, query_len):
     """Every registered CPU body backend (blocked PyTorch, Numba) == the one dense reference, every stored layout."""
+    check_body_backends(LAYOUTS[layout], 16, groups, query_len)
+
+
+def test_body_kernels_agree_at_head_dim_24():
+    """head_dim 24 (6 bytes of codes per token: no vector width of the Numba kernel's key and value loops divides
+    it) with per-channel keys and 12-channel value groups: the kernel's scalar loops."""
+    rotation = torch.linalg.qr(torch.randn(24, 24, generator=torch.Generator().manual_seed(3)))[0]
+    recipe = oscar_recipe(sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("channel", 8, None, True),
+                          value_layout=GroupLayout("token", 12, None, False), key_rotation=rotation,
+                          value_rotation=rotation)
+    check_body_backends(recipe, 24, 2, 1)
+
+
+def check_body_backends(recipe, d, groups, query_len):
     torch.manual_seed(1)
-    layer = OscarLayer(LAYOUTS[layout], 0)
+    layer = OscarLayer(recipe, 0)
     for n in (24, 16):
-        layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
+        layer.update(torch.randn(2, 2, n, d), torch.randn(2, 2, n, d))
     n_tokens = layer.body_len - 3  # a cut inside a token group
-    q = torch.randn(2, 2 * groups, query_len, 16) @ layer.key_body.codec.rotation
+    q = torch.randn(2, 2 * groups, query_len, d) @ layer.key_body.codec.rotation
     kml = torch.randn(2, 2 * groups, query_len)
     mask = torch.rand(2, 1, query_len, n_tokens) > 0.3
     args = {"scaling": 0.3, "key_mean_logits": kml, "mask": mask}
