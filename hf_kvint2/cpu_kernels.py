@@ -291,13 +291,16 @@ if _NUMBA:
                             flags=("reassoc", "contract"))
 
     @_intrinsic
-    def _channel_key_scores(typingctx, scores, score_at, score_stride, codes, q, q_at, q_stride, q_lo, q_lo_at, norm,
-                            norm_at, bias, bias_at, n, d4, width, block, rows):  # pragma: no cover
-        # Key scores of per-channel groups for `rows` query rows (<= LANES) and n tokens (a multiple of `block`):
-        #   scores[score_at + t * score_stride + r] = (q_r . codes of token t + q_lo[q_lo_at + r])
+    def _channel_key_scores(typingctx, scores, score_at, score_stride, codes, q_planes, q_rows, q_at, group_scale,
+                            group_lo, group_at, norm, norm_at, bias, bias_at, n, d4, width, block,
+                            rows):  # pragma: no cover
+        # Key scores of one per-channel group for `rows` query rows (<= LANES) and n of its tokens (a multiple of
+        # `block`), D = 4 d4 channels:
+        #   scores[score_at + t * score_stride + r] = (sum_c q_r[c] group_scale[c] code_c(t) + q_r . group_lo)
         #                                             * norm[norm_at + t] + bias[bias_at + r]
-        # where token t's codes are its d4 bytes at codes[t * d4], unpacked in vector registers, and q_r (the row
-        # times the group's scales) is q[q_at + r * q_stride + i * d4 + j] for code i of byte j (plane order). The
+        # with q_r = q_rows[q_at + r * D ..] (channel order; q_planes holds the same rows in the codes' plane order:
+        # channel 4j + i at i * d4 + j) and the group's scales and offsets at group_at (channel order). Token t's codes
+        # are its d4 bytes at codes[t * d4], unpacked in vector registers. The
         # products of a token's codes with q_r are summed across lanes for `block` tokens at once (folding pairs of
         # vectors: 3 operations per token instead of a horizontal sum's 2 log2(width)). LLVM vector IR: Numba's loops
         # do not vectorize with the token in a lane (see the fifteenth speed run in docs/results.md).
@@ -306,8 +309,8 @@ if _NUMBA:
         nd4, w, bt, lanes = d4.literal_value, width.literal_value, block.literal_value, rows.literal_value
 
         def codegen(context, builder, sig, args):
-            (sc_a, sc_at, sc_stride, codes_a, q_a, q_at, q_stride, lo_a, lo_at, norm_a, norm_at, bias_a, bias_at,
-             n) = args[:14]
+            (sc_a, sc_at, sc_stride, codes_a, qp_a, qr_a, q_at, gs_a, gl_a, g_at, norm_a, norm_at, bias_a, bias_at,
+             n) = args[:15]
             i32, i64, f32 = _llvm_ir.IntType(32), _llvm_ir.IntType(64), _llvm_ir.FloatType()
             vf, vi = _llvm_ir.VectorType(f32, w), _llvm_ir.VectorType(i32, w)
             k = lambda x: _llvm_ir.Constant(i64, x)
@@ -316,8 +319,9 @@ if _NUMBA:
             def data(index, value):
                 return context.make_array(sig.args[index])(context, builder, value).data
 
-            sc_p, codes_p, q_p, lo_p, norm_p, bias_p = (data(0, sc_a), data(3, codes_a), data(4, q_a), data(7, lo_a),
-                                                        data(9, norm_a), data(11, bias_a))
+            sc_p, codes_p, qp_p, qr_p, gs_p, gl_p, norm_p, bias_p = (
+                data(0, sc_a), data(3, codes_a), data(4, qp_a), data(5, qr_a), data(7, gs_a), data(8, gl_a),
+                data(10, norm_a), data(12, bias_a))
 
             def at(p, offset, ty):
                 return builder.bitcast(builder.gep(p, [offset]), ty.as_pointer())
@@ -327,13 +331,36 @@ if _NUMBA:
                 return builder.shuffle_vector(v, undef(v.type), _llvm_ir.Constant(_llvm_ir.VectorType(i32, count),
                                                                                   [0] * count))
 
-            chunks = nd4 // w
-            def q_vector(r, m, i):  # row r's products for code i of bytes m * w ..
-                offset = builder.add(q_at, builder.add(builder.mul(k(r), q_stride), k(i * nd4 + m * w)))
-                return builder.load(at(q_p, offset, vf), align=4)
+            chunks, d = nd4 // w, 4 * nd4
+            lanes_mask = lambda lanes_: _llvm_ir.Constant(_llvm_ir.VectorType(i32, len(lanes_)), lanes_)
 
-            qv = [[[q_vector(r, m, i) for i in range(4)] for m in range(chunks)] for r in range(lanes)]
-            lo = [splat(builder.load(builder.gep(lo_p, [builder.add(lo_at, k(r))])), bt) for r in range(lanes)]
+            def load(p, offset):
+                return builder.load(at(p, offset, vf), align=4)
+
+            def scale_planes(m):  # the scales of bytes m * w .. in plane order: a stride-4 deinterleave of 4 vectors
+                parts = [load(gs_p, builder.add(g_at, k(4 * m * w + u * w))) for u in range(4)]
+                ab = builder.shuffle_vector(parts[0], parts[1], lanes_mask(list(range(2 * w))))
+                cd = builder.shuffle_vector(parts[2], parts[3], lanes_mask(list(range(2 * w))))
+                return [builder.shuffle_vector(ab, cd, lanes_mask([4 * lane + i for lane in range(w)]))
+                        for i in range(4)]
+
+            def row_offset(r, x):
+                return builder.add(q_at, k(r * d + x))
+
+            scales = [scale_planes(m) for m in range(chunks)]
+            qv = [[[builder.fmul(load(qp_p, row_offset(r, i * nd4 + m * w)), scales[m][i], flags=("contract",))
+                    for i in range(4)] for m in range(chunks)] for r in range(lanes)]
+            lo = []
+            for r in range(lanes):  # q_r . group_lo
+                dot = None
+                for c in range(d // w):
+                    prod = builder.fmul(load(qr_p, row_offset(r, c * w)), load(gl_p, builder.add(g_at, k(c * w))),
+                                        flags=("contract",))
+                    dot = prod if dot is None else builder.fadd(dot, prod, flags=("reassoc", "contract"))
+                segment = w
+                while segment > 1:
+                    dot, segment = _fold_pairs(builder, dot, dot, segment), segment // 2
+                lo.append(splat(builder.extract_element(dot, _llvm_ir.Constant(i32, 0)), bt))
             bias = [splat(builder.load(builder.gep(bias_p, [builder.add(bias_at, k(r))])), bt) for r in range(lanes)]
             entry = builder.basic_block
             header = builder.append_basic_block("scores_header")
@@ -383,8 +410,8 @@ if _NUMBA:
             builder.position_at_end(done)
             return context.get_dummy_value()
 
-        return _nb_types.void(scores, score_at, score_stride, codes, q, q_at, q_stride, q_lo, q_lo_at, norm, norm_at,
-                              bias, bias_at, n, d4, width, block, rows), codegen
+        return _nb_types.void(scores, score_at, score_stride, codes, q_planes, q_rows, q_at, group_scale, group_lo,
+                              group_at, norm, norm_at, bias, bias_at, n, d4, width, block, rows), codegen
 
     _TWO_POW_112 = np.float32(2.0 ** 112)
 
@@ -685,11 +712,11 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     pm[r0], pm[r0 + 1], pm[r0 + 2], pm[r0 + 3] = m0, m1, m2, m3
             else:
                 # Per-channel groups: q . (code * scale + lo) = (q * scale) . code + q . lo. Per group of k_group
-                # tokens (splits start on a group): q * scale and q . lo once, with q * scale permuted to the codes'
-                # plane order (channel 4j + i at i * d4 + j: plane i holds bits 2i, 2i+1 of every byte); the scores
-                # in _channel_key_scores (codes unpacked in registers, k_width tokens' sums folded together; 1.15x
-                # faster kernel than the loops below), else the group's codes unpacked in one flat loop that
-                # vectorizes and a dot per token and row.
+                # tokens (splits start on a group): q * scale and q . lo once, with q * scale in the codes' plane order
+                # (channel 4j + i at i * d4 + j: plane i holds bits 2i, 2i+1 of every byte). _channel_key_scores does
+                # it all in registers (codes unpacked there, k_width tokens' sums folded together: a 1.2x faster
+                # kernel than the loops below, which serve head_dims it does not: the group's codes unpacked in one
+                # flat loop that vectorizes, and a dot per token and row).
                 # the query rows in plane order once per task: per group only a product and a dot, both contiguous
                 q_planes = np.empty((rp, d), np.float32)
                 for r in range(rp):
@@ -697,7 +724,8 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         for j in range(d4):
                             q_planes[r, i * d4 + j] = qt[r, 4 * j + i]
                 q_perm = np.empty((rp, d), np.float32)
-                q_perm_flat, scores_flat, bias_bh = q_perm.reshape(-1), scores.reshape(-1), bias[b, h]
+                q_planes_flat, q_rows_flat, scores_flat, bias_bh = q_planes.reshape(-1), qt.reshape(-1), \
+                    scores.reshape(-1), bias[b, h]
                 k_norm_or_one = k_norm if has_kn else np.ones(ns, np.float32)
                 q_lo = np.empty(rp, np.float32)
                 planes = np.empty((4, k_group * d4), np.float32)
@@ -705,8 +733,50 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                 # the split's groups' scales and offsets as float32, in one loop that vectorizes
                 row0 = t0 // k_group
                 k_scale_all, k_lo_all = _stored_rows(kst, klt, row0, -(-ns // k_group), d, k_kind)
+                k_scale_flat, k_lo_flat = k_scale_all.reshape(-1), k_lo_all.reshape(-1)
                 for g0 in range(t0, t1, k_group):
                     g1 = min(t1, g0 + k_group)
+                    group_codes = kct[g0:g1].reshape(-1)
+                    if k_width > 0:
+                        full = (g1 - g0) // k_width * k_width
+                        g_at = (g0 // k_group - row0) * d
+                        rest_codes = group_codes[full * d4:]
+                        for rc in range(n_chunks):
+                            r0 = rc * LANES
+                            live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
+                            at0, at1 = (g0 - t0) * rp + r0, (g0 - t0 + full) * rp + r0
+                            if live == 4:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
+                                                    bias_bh, r0, full, d4, k_width, k_width, 4)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
+                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 4)
+                            elif live == 3:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
+                                                    bias_bh, r0, full, d4, k_width, k_width, 3)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
+                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 3)
+                            elif live == 2:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
+                                                    bias_bh, r0, full, d4, k_width, k_width, 2)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
+                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 2)
+                            elif live == 1:
+                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
+                                                    bias_bh, r0, full, d4, k_width, k_width, 1)
+                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
+                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
+                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 1)
+                        for t in range(g0 - t0, g1 - t0):
+                            for r in range(live_rows, rp):  # padding rows: their scores are never read
+                                scores[t, r] = neg_inf
+                        continue
                     k_scale_in, k_lo = k_scale_all[g0 // k_group - row0], k_lo_all[g0 // k_group - row0]
                     for i in range(4):
                         for j in range(d4):
@@ -717,43 +787,6 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                             q_perm[r, c] = q_planes[r, c] * k_scale[c]
                             acc += qt[r, c] * k_lo[c]
                         q_lo[r] = acc
-                    group_codes = kct[g0:g1].reshape(-1)
-                    if k_width > 0:
-                        full = (g1 - g0) // k_width * k_width
-                        rest_codes = group_codes[full * d4:]
-                        for rc in range(n_chunks):
-                            r0 = rc * LANES
-                            live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
-                            at0, at1 = (g0 - t0) * rp + r0, (g0 - t0 + full) * rp + r0
-                            if live == 4:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 4)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
-                                                    k_width, 1, 4)
-                            elif live == 3:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 3)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
-                                                    k_width, 1, 3)
-                            elif live == 2:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 2)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
-                                                    k_width, 1, 2)
-                            elif live == 1:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0, bias_bh, r0, full, d4, k_width, k_width, 1)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_perm_flat, r0 * d, d, q_lo, r0,
-                                                    k_norm_or_one, g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4,
-                                                    k_width, 1, 1)
-                        for t in range(g0 - t0, g1 - t0):
-                            for r in range(live_rows, rp):  # padding rows: their scores are never read
-                                scores[t, r] = neg_inf
-                        continue
-                    group_codes = kct[g0:g1].reshape(-1)
                     for k in range((g1 - g0) * d4):
                         v = group_codes[k]
                         planes[0, k] = _two_bit_code(v, 0)

@@ -24,7 +24,8 @@ every other path bitwise unchanged); once more when the per-channel key scores s
 took q . offset in channel order (the Numba paths by at most 2.9e-5, the same top-32 tokens, every other path
 bitwise unchanged); once more when the per-token value groups were summed in vector registers instead of per-byte
 buckets (the Numba paths by at most 3.6e-5, the same top-32 tokens, every other path bitwise unchanged), and when
-the per-channel key scores were summed in vector registers (by at most 2.7e-5; likewise). One intra-op thread, for
+the per-channel key scores were summed in vector registers, then with their per-group query products there (by at
+most 2.7e-5, then 2.5e-5; likewise). One intra-op thread, for
 the same reason.
 
 Re-record (only when a numerical change is intended, and say why in the commit):
