@@ -164,23 +164,39 @@ if _NUMBA:
 
         return _nb_types.float32(byte, shift), codegen
 
+    def _per_row_count(builder, rows, emit):
+        # Calls emit(count) for the runtime row count `rows` (1 .. LANES) as a compile-time one: a copy of the code
+        # per count, chosen by a switch (the vector loops keep every row's sums in registers, and a padding row
+        # would cost as much as a query row)
+        done = builder.append_basic_block("rows_done")
+        switch = builder.switch(rows, done)
+        for count in range(1, LANES + 1):
+            case = builder.append_basic_block(f"rows_{count}")
+            switch.add_case(_llvm_ir.Constant(rows.type, count), case)
+            builder.position_at_end(case)
+            emit(count)
+            builder.branch(done)
+        builder.position_at_end(done)
+
     @_intrinsic
     def _accumulate_values(typingctx, acc, acc_at, codes, weights, weight_at, weight_stride, scales, offsets, sums,
                            sums_at, n, d4, width, group_bytes, rows):  # pragma: no cover
-        # For `rows` (<= LANES) query rows and n tokens of per-token value groups, the codes' part of the value
+        # For `rows` (1 .. LANES) query rows and n tokens of per-token value groups, the codes' part of the value
         # sum in vectors of `width` bytes' codes, in registers across tokens:
         #   acc[acc_at + ((m * LANES + r) * 4 + i) * width + lane] += sum_t w[t, r] * scales[t, g] * code_i(byte)
         # for byte m * width + lane of token t (group g = byte // group_bytes; weights w[t, r] at weight_at + t *
         # weight_stride + r), and the weights' sums: sums[sums_at + r * (G + 1)] += sum_t w[t, r], then per group
         # += sum_t w[t, r] * offsets[t, g] (G = d4 // group_bytes groups). Written as LLVM vector IR: Numba's loops
         # over array slices keep the accumulators in memory (arrays may alias), 4x slower.
-        if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, group_bytes, rows)):
+        if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, group_bytes)) or \
+                not isinstance(rows, _nb_types.Integer):
             return None
-        nd4, w, gb, lanes = d4.literal_value, width.literal_value, group_bytes.literal_value, rows.literal_value
+        nd4, w, gb = d4.literal_value, width.literal_value, group_bytes.literal_value
         groups = nd4 // gb
 
         def codegen(context, builder, sig, args):
             acc_a, acc_at, codes_a, wt_a, wt_at, wt_stride, sc_a, off_a, sums_a, sums_at, n = args[:11]
+            rows_v = args[14]
             i32, i64, f32 = _llvm_ir.IntType(32), _llvm_ir.IntType(64), _llvm_ir.FloatType()
             vf, vi = _llvm_ir.VectorType(f32, w), _llvm_ir.VectorType(i32, w)
             vs = _llvm_ir.VectorType(f32, groups + 1)
@@ -204,7 +220,7 @@ if _NUMBA:
             def fma(a, b, c):
                 return builder.fadd(c, builder.fmul(a, b, flags=("contract",)), flags=("contract",))
 
-            def loop(chunk, with_sums):
+            def loop(lanes, chunk, with_sums):
                 # one pass over the tokens for byte chunk `chunk`; with_sums: also the weights' sums
                 accs0 = [builder.load(at(acc_p, builder.add(acc_at, k(((chunk * LANES + r) * 4 + i) * w)), vf), align=4)
                          for r in range(lanes) for i in range(4)]
@@ -268,8 +284,11 @@ if _NUMBA:
                 for r, v in enumerate(phis[lanes * 4:]):
                     builder.store(v, at(sums_p, builder.add(sums_at, k(r * (groups + 1))), vs), align=4)
 
-            for chunk in range(nd4 // w):
-                loop(chunk, chunk == 0)
+            def emit(lanes):
+                for chunk in range(nd4 // w):
+                    loop(lanes, chunk, chunk == 0)
+
+            _per_row_count(builder, rows_v, emit)
             return context.get_dummy_value()
 
         return _nb_types.void(acc, acc_at, codes, weights, weight_at, weight_stride, scales, offsets, sums, sums_at, n,
@@ -294,7 +313,7 @@ if _NUMBA:
     def _channel_key_scores(typingctx, scores, score_at, score_stride, codes, q_planes, q_rows, q_at, group_scale,
                             group_lo, group_at, norm, norm_at, bias, bias_at, n, d4, width, block,
                             rows):  # pragma: no cover
-        # Key scores of one per-channel group for `rows` query rows (<= LANES) and n of its tokens (a multiple of
+        # Key scores of one per-channel group for `rows` query rows (1 .. LANES) and n of its tokens (a multiple of
         # `block`), D = 4 d4 channels:
         #   scores[score_at + t * score_stride + r] = (sum_c q_r[c] group_scale[c] code_c(t) + q_r . group_lo)
         #                                             * norm[norm_at + t] + bias[bias_at + r]
@@ -304,13 +323,15 @@ if _NUMBA:
         # products of a token's codes with q_r are summed across lanes for `block` tokens at once (folding pairs of
         # vectors: 3 operations per token instead of a horizontal sum's 2 log2(width)). LLVM vector IR: Numba's loops
         # do not vectorize with the token in a lane (see the fifteenth speed run in docs/results.md).
-        if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, block, rows)):
+        if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, block)) or \
+                not isinstance(rows, _nb_types.Integer):
             return None
-        nd4, w, bt, lanes = d4.literal_value, width.literal_value, block.literal_value, rows.literal_value
+        nd4, w, bt = d4.literal_value, width.literal_value, block.literal_value
 
         def codegen(context, builder, sig, args):
             (sc_a, sc_at, sc_stride, codes_a, qp_a, qr_a, q_at, gs_a, gl_a, g_at, norm_a, norm_at, bias_a, bias_at,
              n) = args[:15]
+            rows_v = args[18]
             i32, i64, f32 = _llvm_ir.IntType(32), _llvm_ir.IntType(64), _llvm_ir.FloatType()
             vf, vi = _llvm_ir.VectorType(f32, w), _llvm_ir.VectorType(i32, w)
             k = lambda x: _llvm_ir.Constant(i64, x)
@@ -348,66 +369,70 @@ if _NUMBA:
                 return builder.add(q_at, k(r * d + x))
 
             scales = [scale_planes(m) for m in range(chunks)]
-            qv = [[[builder.fmul(load(qp_p, row_offset(r, i * nd4 + m * w)), scales[m][i], flags=("contract",))
-                    for i in range(4)] for m in range(chunks)] for r in range(lanes)]
-            lo = []
-            for r in range(lanes):  # q_r . group_lo
-                dot = None
-                for c in range(d // w):
-                    prod = builder.fmul(load(qr_p, row_offset(r, c * w)), load(gl_p, builder.add(g_at, k(c * w))),
-                                        flags=("contract",))
-                    dot = prod if dot is None else builder.fadd(dot, prod, flags=("reassoc", "contract"))
-                segment = w
-                while segment > 1:
-                    dot, segment = _fold_pairs(builder, dot, dot, segment), segment // 2
-                lo.append(splat(builder.extract_element(dot, _llvm_ir.Constant(i32, 0)), bt))
-            bias = [splat(builder.load(builder.gep(bias_p, [builder.add(bias_at, k(r))])), bt) for r in range(lanes)]
-            entry = builder.basic_block
-            header = builder.append_basic_block("scores_header")
-            body = builder.append_basic_block("scores_body")
-            done = builder.append_basic_block("scores_done")
-            builder.branch(header)
-            builder.position_at_end(header)
-            t = builder.phi(i64)
-            t.add_incoming(k(0), entry)
-            builder.cbranch(builder.icmp_signed("<", t, n), body, done)
-            builder.position_at_end(body)
-            stacks = [[] for _ in range(lanes)]  # per row: (vector, its tokens, segment), folded as tokens come
-            for tt in range(bt):
-                token = builder.add(t, k(tt))
-                sums = [None] * lanes
-                for m in range(chunks):
-                    raw = builder.load(at(codes_p, builder.add(builder.mul(token, k(nd4)), k(m * w)),
-                                          _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
-                    word = builder.zext(raw, vi)
-                    for i in range(4):
-                        plane = builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
-                                                            _llvm_ir.Constant(vi, [3] * w)), vf)
-                        for r in range(lanes):
-                            prod = builder.fmul(qv[r][m][i], plane, flags=("contract",))
-                            sums[r] = prod if sums[r] is None else builder.fadd(sums[r], prod,
-                                                                                flags=("reassoc", "contract"))
+            def emit(lanes):
+                qv = [[[builder.fmul(load(qp_p, row_offset(r, i * nd4 + m * w)), scales[m][i], flags=("contract",))
+                        for i in range(4)] for m in range(chunks)] for r in range(lanes)]
+                lo = []
+                for r in range(lanes):  # q_r . group_lo
+                    dot = None
+                    for c in range(d // w):
+                        prod = builder.fmul(load(qr_p, row_offset(r, c * w)), load(gl_p, builder.add(g_at, k(c * w))),
+                                            flags=("contract",))
+                        dot = prod if dot is None else builder.fadd(dot, prod, flags=("reassoc", "contract"))
+                    segment = w
+                    while segment > 1:
+                        dot, segment = _fold_pairs(builder, dot, dot, segment), segment // 2
+                    lo.append(splat(builder.extract_element(dot, _llvm_ir.Constant(i32, 0)), bt))
+                bias = [splat(builder.load(builder.gep(bias_p, [builder.add(bias_at, k(r))])), bt)
+                        for r in range(lanes)]
+                entry = builder.basic_block
+                header = builder.append_basic_block("scores_header")
+                body = builder.append_basic_block("scores_body")
+                done = builder.append_basic_block("scores_done")
+                builder.branch(header)
+                builder.position_at_end(header)
+                t = builder.phi(i64)
+                t.add_incoming(k(0), entry)
+                builder.cbranch(builder.icmp_signed("<", t, n), body, done)
+                builder.position_at_end(body)
+                stacks = [[] for _ in range(lanes)]  # per row: (vector, its tokens, segment), folded as tokens come
+                for tt in range(bt):
+                    token = builder.add(t, k(tt))
+                    sums = [None] * lanes
+                    for m in range(chunks):
+                        raw = builder.load(at(codes_p, builder.add(builder.mul(token, k(nd4)), k(m * w)),
+                                              _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
+                        word = builder.zext(raw, vi)
+                        for i in range(4):
+                            plane = builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
+                                                                _llvm_ir.Constant(vi, [3] * w)), vf)
+                            for r in range(lanes):
+                                prod = builder.fmul(qv[r][m][i], plane, flags=("contract",))
+                                sums[r] = prod if sums[r] is None else builder.fadd(sums[r], prod,
+                                                                                    flags=("reassoc", "contract"))
+                    for r in range(lanes):
+                        stack = stacks[r]
+                        stack.append((sums[r], [tt], w))
+                        while len(stack) > 1 and len(stack[-1][1]) == len(stack[-2][1]) and stack[-1][2] > 1:
+                            (b_vec, b_tok, seg), (a_vec, a_tok, _) = stack.pop(), stack.pop()
+                            stack.append((_fold_pairs(builder, a_vec, b_vec, seg), a_tok + b_tok, seg // 2))
+                norms = builder.load(at(norm_p, builder.add(norm_at, t), _llvm_ir.VectorType(f32, bt)), align=4)
                 for r in range(lanes):
-                    stack = stacks[r]
-                    stack.append((sums[r], [tt], w))
-                    while len(stack) > 1 and len(stack[-1][1]) == len(stack[-2][1]) and stack[-1][2] > 1:
-                        (b_vec, b_tok, seg), (a_vec, a_tok, _) = stack.pop(), stack.pop()
-                        stack.append((_fold_pairs(builder, a_vec, b_vec, seg), a_tok + b_tok, seg // 2))
-            norms = builder.load(at(norm_p, builder.add(norm_at, t), _llvm_ir.VectorType(f32, bt)), align=4)
-            for r in range(lanes):
-                (vec, toks, seg), = stacks[r]
-                while seg > 1:  # fold within the vector until one lane per token
-                    vec, seg = _fold_pairs(builder, vec, vec, seg), seg // 2
-                order = _llvm_ir.Constant(_llvm_ir.VectorType(i32, bt), [toks.index(j) for j in range(bt)])
-                vec = builder.shuffle_vector(vec, undef(vec.type), order)  # lane j: token t + j
-                vec = builder.fadd(builder.fmul(builder.fadd(vec, lo[r], flags=("contract",)), norms,
-                                                flags=("contract",)), bias[r], flags=("contract",))
-                for j in range(bt):
-                    row = builder.add(sc_at, builder.add(builder.mul(builder.add(t, k(j)), sc_stride), k(r)))
-                    builder.store(builder.extract_element(vec, _llvm_ir.Constant(i32, j)), builder.gep(sc_p, [row]))
-            t.add_incoming(builder.add(t, k(bt)), builder.basic_block)
-            builder.branch(header)
-            builder.position_at_end(done)
+                    (vec, toks, seg), = stacks[r]
+                    while seg > 1:  # fold within the vector until one lane per token
+                        vec, seg = _fold_pairs(builder, vec, vec, seg), seg // 2
+                    order = _llvm_ir.Constant(_llvm_ir.VectorType(i32, bt), [toks.index(j) for j in range(bt)])
+                    vec = builder.shuffle_vector(vec, undef(vec.type), order)  # lane j: token t + j
+                    vec = builder.fadd(builder.fmul(builder.fadd(vec, lo[r], flags=("contract",)), norms,
+                                                    flags=("contract",)), bias[r], flags=("contract",))
+                    for j in range(bt):
+                        row = builder.add(sc_at, builder.add(builder.mul(builder.add(t, k(j)), sc_stride), k(r)))
+                        builder.store(builder.extract_element(vec, _llvm_ir.Constant(i32, j)), builder.gep(sc_p, [row]))
+                t.add_incoming(builder.add(t, k(bt)), builder.basic_block)
+                builder.branch(header)
+                builder.position_at_end(done)
+
+            _per_row_count(builder, rows_v, emit)
             return context.get_dummy_value()
 
         return _nb_types.void(scores, score_at, score_stride, codes, q_planes, q_rows, q_at, group_scale, group_lo,
@@ -743,36 +768,14 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         rest_codes = group_codes[full * d4:]
                         for rc in range(n_chunks):
                             r0 = rc * LANES
-                            live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
+                            live = min(LANES, live_rows - r0)
                             at0, at1 = (g0 - t0) * rp + r0, (g0 - t0 + full) * rp + r0
-                            if live == 4:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
-                                                    bias_bh, r0, full, d4, k_width, k_width, 4)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
-                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 4)
-                            elif live == 3:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
-                                                    bias_bh, r0, full, d4, k_width, k_width, 3)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
-                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 3)
-                            elif live == 2:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
-                                                    bias_bh, r0, full, d4, k_width, k_width, 2)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
-                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 2)
-                            elif live == 1:
-                                _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0,
-                                                    bias_bh, r0, full, d4, k_width, k_width, 1)
-                                _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat,
-                                                    r0 * d, k_scale_flat, k_lo_flat, g_at, k_norm_or_one,
-                                                    g0 - t0 + full, bias_bh, r0, g1 - g0 - full, d4, k_width, 1, 1)
+                            _channel_key_scores(scores_flat, at0, rp, group_codes, q_planes_flat, q_rows_flat, r0 * d,
+                                                k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0, bias_bh, r0,
+                                                full, d4, k_width, k_width, live)
+                            _channel_key_scores(scores_flat, at1, rp, rest_codes, q_planes_flat, q_rows_flat, r0 * d,
+                                                k_scale_flat, k_lo_flat, g_at, k_norm_or_one, g0 - t0 + full, bias_bh,
+                                                r0, g1 - g0 - full, d4, k_width, 1, live)
                         for t in range(g0 - t0, g1 - t0):
                             for r in range(live_rows, rp):  # padding rows: their scores are never read
                                 scores[t, r] = neg_inf
@@ -866,20 +869,9 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                     sums = np.zeros(rp * (v_groups + 1), np.float32)  # per row: sum of weights, then per group
                     for rc in range(n_chunks):
                         r0 = rc * LANES
-                        live = min(LANES, live_rows - r0)  # the call's row count is a compile-time constant
-                        sums_at = r0 * (v_groups + 1)
-                        if live == 4:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
-                                               sums_at, ns, d4, v_width, v_gbytes, 4)
-                        elif live == 3:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
-                                               sums_at, ns, d4, v_width, v_gbytes, 3)
-                        elif live == 2:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
-                                               sums_at, ns, d4, v_width, v_gbytes, 2)
-                        elif live == 1:
-                            _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
-                                               sums_at, ns, d4, v_width, v_gbytes, 1)
+                        live = min(LANES, live_rows - r0)
+                        _accumulate_values(acc_v, r0 * d, codes_flat, weights, r0, rp, scales, offsets, sums,
+                                           r0 * (v_groups + 1), ns, d4, v_width, v_gbytes, live)
                     for r in range(rp):
                         part_l[bh, s, r] = sums[r * (v_groups + 1)]
                         for gi in range(v_groups):
