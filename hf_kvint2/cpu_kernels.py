@@ -910,71 +910,59 @@ def _make_kernel(d: int, k_token_axis: bool, k_group: int, v_token_axis: bool, v
                         w = scores[t - t0, r]
                         for c in range(d):
                             acc_v[r * d + c] += w * x[c]
-        # ---- merge the splits by log-sum-exp, per (row, head)
-        merged_m = np.empty((nbh, rp), np.float32)
-        merged_l = np.empty((nbh, rp), np.float32)
-        merged_acc = np.zeros((nbh, rp, d), np.float32)
-        for bh in numba.prange(nbh):
-            m = merged_m[bh]
-            m[:] = neg_inf
+        # ---- merge the splits by log-sum-exp, then (whole) the windows or (body) the normalisation: one parallel
+        # item per (head, query row), in one parallel region (at batch 1 each region's fork and join costs about as
+        # much as a row's merge, and per head there would be only 3 items for 2 threads)
+        rows_out = out.shape[2]
+        merged_m = np.empty((nbh, rows_out), np.float32)
+        merged_l = np.empty((nbh, rows_out), np.float32)
+        merged_acc = np.zeros((nbh, rows_out, d), np.float32)
+        for item in numba.prange(nbh * rows_out):
+            bh = item // rows_out
+            r = item % rows_out
+            b = bh // h_size
+            h = bh % h_size
+            m = neg_inf
             for s in range(n_splits):
-                for r in range(rp):
-                    m[r] = max(m[r], part_m[bh, s, r])
-            w = np.zeros((n_splits, rp), np.float32)
-            total = merged_l[bh]
-            total[:] = 0.0
+                m = max(m, part_m[bh, s, r])
+            total = np.float32(0.0)
+            acc = merged_acc[bh, r]
             for s in range(n_splits):
-                for r in range(rp):
-                    if part_m[bh, s, r] != neg_inf:
-                        w[s, r] = np.float32(math.exp(part_m[bh, s, r] - m[r]))
-                        total[r] += w[s, r] * part_l[bh, s, r]
-            acc = merged_acc[bh]
-            if v_token_axis:
-                for s in range(n_splits):
+                if part_m[bh, s, r] == neg_inf:
+                    continue
+                ws = np.float32(math.exp(part_m[bh, s, r] - m))
+                total += ws * part_l[bh, s, r]
+                if v_token_axis:
                     pa = part_acc[bh, s]
-                    for r in range(rp):
-                        ws = w[s, r]
+                    for c in range(d):
+                        acc[c] += ws * part_lo[bh, s, c // v_group, r]
+                    if v_width > 0:  # from (row chunk, byte chunk, row, code i, byte) order
+                        for mc in range(d4 // v_width):
+                            at = ((r // LANES * (d4 // v_width) + mc) * LANES + r % LANES) * 4 * v_width
+                            for i in range(4):
+                                for lane in range(v_width):
+                                    acc[4 * (mc * v_width + lane) + i] += ws * pa[at + i * v_width + lane]
+                    else:
                         for c in range(d):
-                            acc[r, c] += ws * part_lo[bh, s, c // v_group, r]
-                        if v_width > 0:  # from (row chunk, byte chunk, row, code i, byte) order
-                            for m in range(d4 // v_width):
-                                at = ((r // LANES * (d4 // v_width) + m) * LANES + r % LANES) * 4 * v_width
-                                for i in range(4):
-                                    for lane in range(v_width):
-                                        acc[r, 4 * (m * v_width + lane) + i] += ws * pa[at + i * v_width + lane]
-                        else:
-                            for c in range(d):
-                                acc[r, c] += ws * pa[r * d + c]
-            else:
-                for s in range(n_splits):
-                    for r in range(rp):
-                        for c in range(d):
-                            acc[r, c] += w[s, r] * part_acc[bh, s, r * d + c]
-        if whole:  # the windows and the merge, one item per query row
-            rows_out = out.shape[2]
-            for item in numba.prange(nbh * rows_out):
-                bh = item // rows_out
-                b = bh // h_size
-                h = bh % h_size
-                r = item % rows_out
+                            acc[c] += ws * pa[r * d + c]
+                else:
+                    for c in range(d):
+                        acc[c] += ws * part_acc[bh, s, r * d + c]
+            merged_m[bh, r] = m
+            merged_l[bh, r] = total
+            if whole:
                 _merge_windows(d, q_in[b, h, r:r + 1], scaling, mask, b, query_len, r, col0 + n, wk0[b, h],
                                wv0[b, h], wk1[b, h, :n1], wv1[b, h, :n1], rot_v, mean_v, h, merged_m[bh, r:r + 1],
                                merged_l[bh, r:r + 1], merged_acc[bh, r:r + 1], out[b, h, r:r + 1], lse[b, h, r:r + 1])
-        else:  # the body alone: normalised, per (row, head)
-            for bh in numba.prange(nbh):
-                b = bh // h_size
-                h = bh % h_size
-                m, total, acc = merged_m[bh], merged_l[bh], merged_acc[bh]
-                for r in range(rp):
-                    if total[r] > 0.0:
-                        inv = one / total[r]
-                        for c in range(d):
-                            out[b, h, r, c] = acc[r, c] * inv
-                        lse[b, h, r] = m[r] + np.float32(math.log(total[r]))
-                    else:
-                        for c in range(d):
-                            out[b, h, r, c] = 0.0
-                        lse[b, h, r] = neg_inf
+            elif total > 0.0:
+                inv = one / total
+                for c in range(d):
+                    out[b, h, r, c] = acc[c] * inv
+                lse[b, h, r] = m + np.float32(math.log(total))
+            else:
+                for c in range(d):
+                    out[b, h, r, c] = 0.0
+                lse[b, h, r] = neg_inf
 
     return kernel
 
