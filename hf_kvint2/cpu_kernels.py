@@ -1003,15 +1003,37 @@ def _codec_arrays(codec, none: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return arrays
 
 
-def _window_array(x: torch.Tensor) -> np.ndarray:
-    """A full-precision window [B, H, n, D] for the kernel, which reads its first n tokens: the float32 buffer x is
-    the first n tokens of, where it is one (a dynamic layer's recent window, appended in place: no copy of it per
-    step), else x as a C-contiguous float32 array."""
-    base = x._base
-    if (base is not None and base.dtype == torch.float32 and base.dim() == 4 and base.is_contiguous()
-            and x.storage_offset() == base.storage_offset() and x.stride() == base.stride()
-            and base.shape[:2] == x.shape[:2] and base.shape[3] == x.shape[3] and not base.requires_grad):
-        return base.numpy()
+# id(tensor) -> (weak reference to it, its numpy view, offset, strides, shape); by id because a tensor's == is
+# elementwise (a WeakKeyDictionary compares its keys with it); an entry leaves with its tensor
+_HELD_ARRAYS: dict[int, tuple] = {}
+
+
+def _forget_held(key: int, ref) -> None:
+    entry = _HELD_ARRAYS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _HELD_ARRAYS[key]
+
+
+def _window_array(x: torch.Tensor, whole: bool = False) -> np.ndarray:
+    """A full-precision window [B, H, n, D] for the kernel as a float32 array: the buffer x is the first n tokens
+    of, where it is one (a dynamic layer's recent window, appended in place: no copy of it per step; the kernel reads
+    its first n tokens), else x as a C-contiguous float32 array. ``whole``: x itself, never a longer buffer (the
+    sink, whose every token the kernel reads). The numpy view of a tensor that stays (a buffer, the sink) is made
+    once and kept while the tensor lives: a decode step reads the same windows in every layer, where each of the
+    checks costs about as much as a token of the body."""
+    held = x if x._base is None or whole else x._base
+    known = _HELD_ARRAYS.get(id(held))
+    if known is None or known[0]() is not held:
+        if not (held.dtype == torch.float32 and held.dim() == 4 and held.is_contiguous() and not held.requires_grad):
+            return _float32_array(x)
+        key = id(held)
+        ref = weakref.ref(held, lambda r, key=key: _forget_held(key, r))
+        known = _HELD_ARRAYS[key] = (ref, held.numpy(), held.storage_offset(), held.stride(), held.shape)
+    _, array, offset, stride, shape = known
+    # x is the held tensor (whole) or its first tokens: same start, strides, batch, heads and head_dim
+    if x.storage_offset() == offset and x.stride() == stride and not x.requires_grad and \
+            (x.shape == shape if whole else x.shape[:2] == shape[:2] and x.shape[3] == shape[3]):
+        return array
     return _float32_array(x)
 
 
@@ -1191,7 +1213,8 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     n1 = k1.shape[2]
     _run_kernel(key_body, value_body, True, (k_kind, v_kind), threads, q, no_bias, add.numpy(), n0, lq, kc, ks, kl, kn,
                 vc, vs, vl, vn, n, split, out, lse, np.float32(scaling), rot_k, mean_k, rot_v, mean_v,
-                _float32_array(k0), _float32_array(v0), _window_array(k1), _window_array(v1), n1)
+                _window_array(k0, whole=True), _window_array(v0, whole=True), _window_array(k1), _window_array(v1),
+                n1)
     out = torch.from_numpy(out.reshape(b, hq, lq, d))
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 

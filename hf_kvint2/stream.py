@@ -126,6 +126,7 @@ class QuantizedStream:
         self.codes, self.scale, self.lo = TokenBuffer(2), TokenBuffer(2), TokenBuffer(2)
         self.norm = TokenBuffer(1) if codec.layout.token_scaling else None
         self._cpu_writer = self._compiled_writer(codec)
+        self._last_read: QuantizedBody | None = None  # read()'s last result
 
     @staticmethod
     def _compiled_writer(codec: StreamCodec) -> cpu_kernels.TokenGroupQuantizer | None:
@@ -137,10 +138,11 @@ class QuantizedStream:
         return None
 
     def __getstate__(self) -> dict:  # a copy (pickle, deepcopy) looks its compiled writer up again
-        return {**self.__dict__, "_cpu_writer": None}
+        return {**self.__dict__, "_cpu_writer": None, "_last_read": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_last_read", None)
         self._cpu_writer = self._compiled_writer(self.codec)
 
     @property
@@ -181,8 +183,17 @@ class QuantizedStream:
     def read(self, tokens: int | None = None) -> QuantizedBody:
         """The first ``tokens`` stored tokens (default: all) as a :class:`QuantizedBody` over the buffers."""
         n = self.tokens if tokens is None else tokens
-        return QuantizedBody(self.codec, self.codes.data, self.scale.data, self.lo.data,
+        last = self._last_read
+        # a decode step reads every layer's streams, unchanged since the last step but for a demotion: the last
+        # read again while its tokens and buffers are the same (a body is read-only)
+        if last is not None and last.tokens == n and last.codes is self.codes.data and \
+                last.scale is self.scale.data and last.lo is self.lo.data and \
+                (self.norm is None or last.norm is self.norm.data):
+            return last
+        body = QuantizedBody(self.codec, self.codes.data, self.scale.data, self.lo.data,
                              None if self.norm is None else self.norm.data, n, tuple(self.buffers()))
+        self._last_read = body
+        return body
 
     def dequantize(self, rotated: bool = False) -> torch.Tensor:
         """Float32 body [B, H, T, D]: in the transformed space if ``rotated`` (norms applied), else original."""

@@ -375,6 +375,49 @@ def test_numba_layer_step_matches_the_pipeline(layout, groups, query_len):
         assert not cpu_kernels.serves_layer_step(q.clone().requires_grad_(), kb)
 
 
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+def test_window_arrays_are_kept_per_tensor_and_never_stale():
+    """The layer step's windows as numpy arrays: a buffer's view is made once and serves each of its leading views;
+    the sink (``whole``) is never read past its own length; anything else is a float32 copy; the view of a tensor
+    leaves with it (a new tensor at a reused address gets its own)."""
+    buf = torch.randn(1, 2, 8, 4)
+    kept = cpu_kernels._window_array(buf.narrow(2, 0, 3))
+    assert kept is cpu_kernels._window_array(buf.narrow(2, 0, 5)) and kept.shape == (1, 2, 8, 4)
+    assert kept.ctypes.data == buf.data_ptr()
+    buf[0, 0, 4] = 7.0  # appended in place: seen through the kept view
+    assert (kept[0, 0, 4] == 7.0).all()
+    sink = buf.narrow(2, 0, 3)
+    assert cpu_kernels._window_array(sink, whole=True).shape == (1, 2, 3, 4)
+    for x in (buf.narrow(2, 2, 3), buf[:, :1, :3], buf.narrow(2, 0, 3).to(torch.bfloat16),
+              buf.narrow(2, 0, 3).clone().requires_grad_()):  # not a leading view, other dtypes, gradients: copies
+        got = cpu_kernels._window_array(x, whole=True)
+        assert got.shape == tuple(x.shape) and (got == x.detach().float().numpy()).all()
+    for i in range(64):  # short-lived tensors, whose addresses are reused
+        t = torch.full((1, 1, 2, 4), float(i))
+        assert (cpu_kernels._window_array(t, whole=True) == i).all()
+        del t
+    assert all(entry[0]() is not None for entry in cpu_kernels._HELD_ARRAYS.values())
+    assert len(cpu_kernels._HELD_ARRAYS) < 64
+
+
+def test_stream_read_is_kept_until_the_stream_changes():
+    """``QuantizedStream.read``: the same body while the tokens and buffers are the same (a decode step reads every
+    layer's streams), a new one once a demotion appends tokens or the buffers grow."""
+    torch.manual_seed(0)
+    layer = OscarLayer(STEP_LAYOUTS["token keys, centred"], 0)
+    layer.fused_attention = True  # placeholders out of update: no portable view per step
+    layer.update(torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16))
+    stream, n = layer.key_body, layer.body_len
+    body = stream.read(n)
+    assert stream.read(n) is body and stream.read() is body
+    assert stream.read(n - 1).tokens == n - 1 and stream.read(n) is not body
+    for _ in range(400):  # decode steps: demotions append tokens and grow the buffers
+        layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    later = stream.read(layer.body_len)
+    assert later.tokens == layer.body_len > n and later.codes is stream.codes.data
+    assert torch.equal(later.codes[:, :, :n], body.codes[:, :, :n])
+
 def test_dense_partial_fused_cpu_matches_separate_ops():
     """The fused CPU dense partial (flash attention with its log-sum-exp) == the separate ops, GQA, masks with a
     row that attends nothing, several query positions."""
