@@ -125,6 +125,57 @@ if _NUMBA:
             return builder.trunc(v, _llvm_ir.IntType(width))
         return builder.zext(v, _llvm_ir.IntType(width)) if v.type.width < width else v
 
+    # LLVM IR pieces the vector-IR intrinsics below share
+    def _vector_at(builder, p, offset, ty):
+        # the element pointer p + offset as a pointer to ty (a vector load or store there)
+        return builder.bitcast(builder.gep(p, [offset]), ty.as_pointer())
+
+    def _splat(builder, x, count):
+        # the float32 x in each of `count` lanes
+        i32 = _llvm_ir.IntType(32)
+        undef = _llvm_ir.Constant(_llvm_ir.VectorType(_llvm_ir.FloatType(), count), _llvm_ir.Undefined)
+        v = builder.insert_element(undef, x, _llvm_ir.Constant(i32, 0))
+        return builder.shuffle_vector(v, undef, _llvm_ir.Constant(_llvm_ir.VectorType(i32, count), [0] * count))
+
+    def _code_planes(builder, codes_p, byte_at, w):
+        # the 2-bit codes of the w bytes at codes_p + byte_at as four float32 vectors: plane i holds bits 2i, 2i+1
+        # of every byte
+        vi, vf = _llvm_ir.VectorType(_llvm_ir.IntType(32), w), _llvm_ir.VectorType(_llvm_ir.FloatType(), w)
+        raw = builder.load(_vector_at(builder, codes_p, byte_at, _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
+        word = builder.zext(raw, vi)
+        return [builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
+                                            _llvm_ir.Constant(vi, [3] * w)), vf) for i in range(4)]
+
+    def _loop_start(builder, name, n, carried=()):
+        # a loop over t = 0, 1 step, ... while t < n carrying the values `carried`: returns (t, their phis, the header
+        # and exit blocks) with the builder in the body; _loop_end closes it
+        entry = builder.basic_block
+        header = builder.append_basic_block(f"{name}_header")
+        body = builder.append_basic_block(f"{name}_body")
+        done = builder.append_basic_block(f"{name}_done")
+        builder.branch(header)
+        builder.position_at_end(header)
+        t = builder.phi(_llvm_ir.IntType(64))
+        t.add_incoming(_llvm_ir.Constant(t.type, 0), entry)
+        phis = []
+        for v in carried:
+            phi = builder.phi(v.type)
+            phi.add_incoming(v, entry)
+            phis.append(phi)
+        builder.cbranch(builder.icmp_signed("<", t, n), body, done)
+        builder.position_at_end(body)
+        return t, phis, header, done
+
+    def _loop_end(builder, loop, step, carried=()):
+        # closes a _loop_start loop: t advances by `step` and its phis take `carried`; the builder moves to the exit
+        t, phis, header, done = loop
+        end = builder.basic_block
+        t.add_incoming(builder.add(t, _llvm_ir.Constant(t.type, step)), end)
+        for phi, v in zip(phis, carried):
+            phi.add_incoming(v, end)
+        builder.branch(header)
+        builder.position_at_end(done)
+
     @_intrinsic
     def _float32_from_bits(typingctx, bits):  # pragma: no cover
         # The float32 whose IEEE bits are the low 32 bits of the integer ``bits`` (a register bit-cast).
@@ -210,12 +261,7 @@ if _NUMBA:
                                                          data(7, off_a), data(8, sums_a))
 
             def at(p, offset, ty):
-                return builder.bitcast(builder.gep(p, [offset]), ty.as_pointer())
-
-            def splat(x, ty, lanes_):
-                v = builder.insert_element(undef(ty), x, _llvm_ir.Constant(i32, 0))
-                zeros = _llvm_ir.Constant(_llvm_ir.VectorType(i32, lanes_), [0] * lanes_)
-                return builder.shuffle_vector(v, undef(ty), zeros)
+                return _vector_at(builder, p, offset, ty)
 
             def fma(a, b, c):
                 return builder.fadd(c, builder.fmul(a, b, flags=("contract",)), flags=("contract",))
@@ -226,30 +272,13 @@ if _NUMBA:
                          for r in range(lanes) for i in range(4)]
                 sums0 = [builder.load(at(sums_p, builder.add(sums_at, k(r * (groups + 1))), vs), align=4)
                          for r in range(lanes)] if with_sums else []
-                entry = builder.basic_block
-                header = builder.append_basic_block("values_header")
-                body = builder.append_basic_block("values_body")
-                done = builder.append_basic_block("values_done")
-                builder.branch(header)
-                builder.position_at_end(header)
-                t = builder.phi(i64)
-                t.add_incoming(k(0), entry)
-                phis = []
-                for v in accs0 + sums0:
-                    p = builder.phi(v.type)
-                    p.add_incoming(v, entry)
-                    phis.append(p)
-                builder.cbranch(builder.icmp_signed("<", t, n), body, done)
-                builder.position_at_end(body)
-                raw = builder.load(at(codes_p, builder.add(builder.mul(t, k(nd4)), k(chunk * w)),
-                                      _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
-                word = builder.zext(raw, vi)
-                planes = [builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
-                                                      _llvm_ir.Constant(vi, [3] * w)), vf) for i in range(4)]
+                loop_ = _loop_start(builder, "values", n, accs0 + sums0)
+                t, phis = loop_[:2]
+                planes = _code_planes(builder, codes_p, builder.add(builder.mul(t, k(nd4)), k(chunk * w)), w)
                 row = builder.mul(t, k(groups))
                 g0 = chunk * w // gb
                 if gb >= w:  # the chunk lies in one group
-                    scale = splat(builder.load(builder.gep(sc_p, [builder.add(row, k(g0))])), vf, w)
+                    scale = _splat(builder, builder.load(builder.gep(sc_p, [builder.add(row, k(g0))])), w)
                 else:  # the chunk spans w // gb whole groups
                     ng = w // gb
                     sv = undef(_llvm_ir.VectorType(f32, ng))
@@ -268,16 +297,11 @@ if _NUMBA:
                 new_sums = []
                 for r in range(lanes):
                     p = builder.load(builder.gep(wt_p, [builder.add(wt_row, k(r))]))
-                    wv = builder.fmul(splat(p, vf, w), scale, flags=("contract",))
+                    wv = builder.fmul(_splat(builder, p, w), scale, flags=("contract",))
                     new += [fma(wv, planes[i], phis[r * 4 + i]) for i in range(4)]
                     if with_sums:
-                        new_sums.append(fma(splat(p, vs, groups + 1), ov, phis[lanes * 4 + r]))
-                end = builder.basic_block
-                t.add_incoming(builder.add(t, k(1)), end)
-                for p, v in zip(phis, new + new_sums):
-                    p.add_incoming(v, end)
-                builder.branch(header)
-                builder.position_at_end(done)
+                        new_sums.append(fma(_splat(builder, p, groups + 1), ov, phis[lanes * 4 + r]))
+                _loop_end(builder, loop_, 1, new + new_sums)
                 for m, v in enumerate(phis[:lanes * 4]):
                     r, i = divmod(m, 4)
                     builder.store(v, at(acc_p, builder.add(acc_at, k(((chunk * LANES + r) * 4 + i) * w)), vf), align=4)
@@ -333,7 +357,7 @@ if _NUMBA:
              n) = args[:15]
             rows_v = args[18]
             i32, i64, f32 = _llvm_ir.IntType(32), _llvm_ir.IntType(64), _llvm_ir.FloatType()
-            vf, vi = _llvm_ir.VectorType(f32, w), _llvm_ir.VectorType(i32, w)
+            vf = _llvm_ir.VectorType(f32, w)
             k = lambda x: _llvm_ir.Constant(i64, x)
             undef = lambda ty: _llvm_ir.Constant(ty, _llvm_ir.Undefined)
 
@@ -345,12 +369,10 @@ if _NUMBA:
                 data(10, norm_a), data(12, bias_a))
 
             def at(p, offset, ty):
-                return builder.bitcast(builder.gep(p, [offset]), ty.as_pointer())
+                return _vector_at(builder, p, offset, ty)
 
             def splat(x, count):
-                v = builder.insert_element(undef(_llvm_ir.VectorType(f32, count)), x, _llvm_ir.Constant(i32, 0))
-                return builder.shuffle_vector(v, undef(v.type), _llvm_ir.Constant(_llvm_ir.VectorType(i32, count),
-                                                                                  [0] * count))
+                return _splat(builder, x, count)
 
             chunks, d = nd4 // w, 4 * nd4
             lanes_mask = lambda lanes_: _llvm_ir.Constant(_llvm_ir.VectorType(i32, len(lanes_)), lanes_)
@@ -385,27 +407,15 @@ if _NUMBA:
                     lo.append(splat(builder.extract_element(dot, _llvm_ir.Constant(i32, 0)), bt))
                 bias = [splat(builder.load(builder.gep(bias_p, [builder.add(bias_at, k(r))])), bt)
                         for r in range(lanes)]
-                entry = builder.basic_block
-                header = builder.append_basic_block("scores_header")
-                body = builder.append_basic_block("scores_body")
-                done = builder.append_basic_block("scores_done")
-                builder.branch(header)
-                builder.position_at_end(header)
-                t = builder.phi(i64)
-                t.add_incoming(k(0), entry)
-                builder.cbranch(builder.icmp_signed("<", t, n), body, done)
-                builder.position_at_end(body)
+                loop_ = _loop_start(builder, "scores", n)
+                t = loop_[0]
                 stacks = [[] for _ in range(lanes)]  # per row: (vector, its tokens, segment), folded as tokens come
                 for tt in range(bt):
                     token = builder.add(t, k(tt))
                     sums = [None] * lanes
                     for m in range(chunks):
-                        raw = builder.load(at(codes_p, builder.add(builder.mul(token, k(nd4)), k(m * w)),
-                                              _llvm_ir.VectorType(_llvm_ir.IntType(8), w)), align=1)
-                        word = builder.zext(raw, vi)
-                        for i in range(4):
-                            plane = builder.sitofp(builder.and_(builder.lshr(word, _llvm_ir.Constant(vi, [2 * i] * w)),
-                                                                _llvm_ir.Constant(vi, [3] * w)), vf)
+                        planes = _code_planes(builder, codes_p, builder.add(builder.mul(token, k(nd4)), k(m * w)), w)
+                        for i, plane in enumerate(planes):
                             for r in range(lanes):
                                 prod = builder.fmul(qv[r][m][i], plane, flags=("contract",))
                                 sums[r] = prod if sums[r] is None else builder.fadd(sums[r], prod,
@@ -428,9 +438,7 @@ if _NUMBA:
                     for j in range(bt):
                         row = builder.add(sc_at, builder.add(builder.mul(builder.add(t, k(j)), sc_stride), k(r)))
                         builder.store(builder.extract_element(vec, _llvm_ir.Constant(i32, j)), builder.gep(sc_p, [row]))
-                t.add_incoming(builder.add(t, k(bt)), builder.basic_block)
-                builder.branch(header)
-                builder.position_at_end(done)
+                _loop_end(builder, loop_, bt)
 
             _per_row_count(builder, rows_v, emit)
             return context.get_dummy_value()
