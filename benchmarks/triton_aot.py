@@ -64,7 +64,7 @@ def use_triton(version: str) -> None:
 
 def layout_dict(layout) -> dict:
     return {"axis": layout.axis, "group_size": layout.group_size, "clip": layout.clip,
-            "token_scaling": layout.token_scaling}
+            "token_scaling": layout.token_scaling, "range_clip": layout.range_clip}
 
 
 def load_known(paths: list[Path], triton_version: str, source_hashes: dict) -> dict:

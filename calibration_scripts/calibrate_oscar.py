@@ -170,7 +170,7 @@ def calibrate(args) -> int:
         if args.fit_windows is not None and args.fit_windows != len(data.held_out):
             sys.exit(f"--from-statistics {args.from_statistics} holds {len(data.held_out)} held-back window(s), not "
                      f"--fit-windows {args.fit_windows}: drop --fit-windows, or save statistics with it.")
-        result = fit_from_statistics(data, model.config, **common)
+        result = fit_from_statistics(data, model.config, model=model, **common)
         cache = OscarCache(model.config, settings=result.settings, calibration=result.calibration)
         cache.calibration_report = result.report
     else:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import cpu_kernels, kernels
 from .read_path import BodyPartial, body_partial_blocked
-from .recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
+from .recipes import oscar_recipe, oscar_scaled_recipe
 from .stream import QuantizedStream, StreamCodec
 from .transforms import block_hadamard_matrix
 
@@ -85,7 +85,7 @@ def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
             streams = []
             for layout in (recipe.key, recipe.value):
                 group = layout.group_for(d)
-                codec = StreamCodec(GroupLayout(layout.axis, group, layout.clip, layout.token_scaling), group,
+                codec = StreamCodec(replace(layout, group_size=group), group,
                                     block_hadamard_matrix(d), None, recipe.scale_dtype)
                 stream = QuantizedStream(codec)
                 for _ in range(2):  # a first append, then one into the buffers (a decode step's demotion)

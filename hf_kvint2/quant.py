@@ -121,22 +121,41 @@ def scale_range_error(biggest: float, scale_dtype: torch.dtype) -> ValueError:
     return ValueError(f"Values up to {biggest:.4g} do not fit {short} scales; {fix}.")
 
 
+def range_clip_divisor(range_clip: float | None) -> float | None:
+    """The divisor ``2 / (1 - range_clip)`` of a group's width that gives what each end moves in (None: no
+    narrowing). A division, not a product, so that the Triton kernel's ``lo + width / divisor`` cannot be
+    contracted into a fused multiply-add and rounds as PyTorch does."""
+    if range_clip is None or range_clip >= 1.0:
+        return None
+    return 2.0 / (1.0 - range_clip)
+
+
 def quantize_int2(
-    x: torch.Tensor, axis: str, group_size: int, scale_dtype: torch.dtype = torch.float16
+    x: torch.Tensor, axis: str, group_size: int, scale_dtype: torch.dtype = torch.float16,
+    range_clip: float | None = None,
 ) -> QuantizedGroups:
     """Asymmetric 4-level quantization of ``x`` [B, H, T, D] over groups along ``axis``.
 
     ``scale`` and ``lo`` are rounded to ``scale_dtype`` *before* the codes are chosen, so that dequantization with
     the stored values has error at most ``scale / 2`` plus the rounding of ``lo``. A constant group gets scale 0
-    and code 0 (no division by zero) and comes back as ``lo`` exactly.
+    and code 0 (no division by zero) and comes back as ``lo`` exactly. ``range_clip`` (``"channel"`` groups,
+    :class:`~hf_kvint2.recipes.GroupLayout`): the levels span that fraction of each group's ``[min, max]``, about
+    its centre; values outside take the end codes.
     """
     _check_group_shape(x.shape, axis, group_size)
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}.")
+    divisor = range_clip_divisor(range_clip)
+    if divisor is not None and axis != "channel":
+        raise ValueError("range_clip applies to 'channel' groups only (per-token groups clip rows instead).")
     xf = x.float()
     g, dim = _grouped(xf, axis, group_size)
     lo = g.amin(dim=dim, keepdim=True)
-    scale = (g.amax(dim=dim, keepdim=True) - lo) / 3
+    hi = g.amax(dim=dim, keepdim=True)
+    if divisor is not None:
+        shrink = (hi - lo) / divisor
+        lo, hi = lo + shrink, hi - shrink
+    scale = (hi - lo) / 3
     if not tracing() and g.numel():
         # Both the range and the offset must fit in the scale dtype; say so instead of storing inf (fp32 too: a
         # range of two values near +-3e38 overflows). (A data-dependent ``if`` cannot be traced; exported graphs

@@ -20,12 +20,17 @@ class GroupLayout:
     clip: clamp each rotated row to its ``clip`` quantile of ``|x|`` before quantizing (None: no clipping).
     token_scaling: divide each token by its norm over all KV heads and channels of the layer (OScaR's
         omni-token scaling) and store the norm.
+    range_clip: ``"channel"`` groups only: each group's ``[min, max]`` is narrowed to this fraction of its width
+        about its centre before the four levels are set, and the values outside saturate to the end codes
+        (None: the full range). A few extreme tokens per group otherwise set the levels for all of them; the
+        calibration fits the fraction per stream (:mod:`hf_kvint2.calibration.fitting`).
     """
 
     axis: str = "token"
     group_size: int = 128
     clip: float | None = None
     token_scaling: bool = False
+    range_clip: float | None = None
 
     def __post_init__(self):
         if self.axis not in AXES:
@@ -34,6 +39,14 @@ class GroupLayout:
             raise ValueError(f"GroupLayout.group_size must be a positive int, got {self.group_size!r}.")
         if self.clip is not None and not (0.0 < self.clip <= 1.0):
             raise ValueError(f"Clip ratio must be in (0, 1], got {self.clip}.")
+        if self.range_clip is not None:
+            if isinstance(self.range_clip, bool) or not isinstance(self.range_clip, (int, float)) or \
+                    not 0.0 < self.range_clip <= 1.0:
+                raise ValueError(f"GroupLayout.range_clip must be a fraction in (0, 1] or None, got "
+                                 f"{self.range_clip!r}.")
+            if self.axis != "channel":
+                raise ValueError("GroupLayout.range_clip narrows per-channel token groups; per-token groups "
+                                 "('token' axis) clip rows with `clip` instead.")
 
     def group_for(self, head_dim: int) -> int:
         """The group size actually used: per-token groups never exceed head_dim (SPEC: G = min(128, d))."""

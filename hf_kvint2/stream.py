@@ -51,7 +51,7 @@ class StreamCodec:
             xr = rotate_tokens(x, self.rotation, self.mean)
             return cpu_kernels.quantize_token_groups(xr, self.layout.clip, self.group, self.scale_dtype, out), None
         xt, norm = self.transform(x)
-        return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype), norm
+        return quantize_int2(xt, self.layout.axis, self.group, self.scale_dtype, self.layout.range_clip), norm
 
     def dequantize_groups(self, q: QuantizedGroups, norm: torch.Tensor | None, rotated: bool = False) -> torch.Tensor:
         """Float32 [B, H, T, D] from groups and norms [B, T]: in the transformed space if ``rotated`` (norms

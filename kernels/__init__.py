@@ -105,25 +105,27 @@ def _require_triton():
         raise ImportError("The hf_kvint2 Triton kernels need Triton: pip install 'triton>=3.2' (the clone's '.[triton]' extra).")
 
 
-def quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype):
+def quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype, range_clip=None):
     """Transform and quantize new tokens ``x`` [B, H, n, D] (original space) in one kernel.
 
     rotation: [D, D] (fp32), mean: [H, D] or None, axis: "token" | "channel", group_size: the group actually used
-    (``GroupLayout.group_for(D)``), clip: row-quantile ratio or None, token_scaling: divide by the omni-token norm.
+    (``GroupLayout.group_for(D)``), clip: row-quantile ratio or None, token_scaling: divide by the omni-token norm,
+    range_clip: per-channel groups' narrowed range (``GroupLayout.range_clip``) or None.
     Returns ``(QuantizedGroups(codes, scale, lo), norm [B, n] or None)``.
     """
     _require_triton()
     from .quantize_pack import quantize_tokens as impl
 
     return impl(x, rotation, mean, axis=axis, group_size=group_size, clip=clip, token_scaling=token_scaling,
-                scale_dtype=scale_dtype)
+                scale_dtype=scale_dtype, range_clip=range_clip)
 
 
 def quantize_stream(codec, x):
     """:func:`quantize_tokens` with the settings of a :class:`~hf_kvint2.stream.StreamCodec`."""
     lay = codec.layout
     return quantize_tokens(x, codec.rotation, codec.mean, axis=lay.axis, group_size=codec.group, clip=lay.clip,
-                           token_scaling=lay.token_scaling, scale_dtype=codec.scale_dtype)
+                           token_scaling=lay.token_scaling, scale_dtype=codec.scale_dtype,
+                           range_clip=lay.range_clip)
 
 
 def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None, num_splits=None,

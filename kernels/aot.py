@@ -75,7 +75,7 @@ def dispatch_configurations(head_dims=(64, 128, 256), gqa_groups=(1, 4, 8)) -> l
     """Every layout the caches can store, for each K/V dtype the decode dispatcher maps (``_TL_DOT_DTYPE``), head_dim
     and GQA group: OSCAR's per-token groups (``oscar_recipe``), centred or not, with OScaR's key token scaling
     added (``evaluation.with_key_token_scaling``); calibration's per-channel candidate (``calibration.fit_layer``:
-    ``GroupLayout("channel", min(group_size, head_dim))``); OScaR's per-channel keys with and without token norms
+    ``GroupLayout("channel", min(group_size, head_dim))``, keys on a narrowed range); OScaR's per-channel keys with and without token norms
     (``oscar_scaled_recipe``). The block sizes and constexprs are not listed here: :func:`aot.capture_launches` runs
     the wrappers to get them."""
     def layouts(head_dim):
@@ -83,7 +83,8 @@ def dispatch_configurations(head_dims=(64, 128, 256), gqa_groups=(1, 4, 8)) -> l
         channel = GroupLayout("channel", min(oscar.key.group_size, head_dim))
         yield "oscar", oscar.key, oscar.value, (False, True)
         yield "oscar_key_token_scaling", replace(oscar.key, token_scaling=True), oscar.value, (False, True)
-        yield "oscar_calibrated_channel", channel, channel, (False, True)
+        # keys on a narrowed group range (calibration's range_clip), values on the full one: both quantize variants
+        yield "oscar_calibrated_channel", replace(channel, range_clip=0.9), channel, (False, True)
         yield "oscar_scaled", scaled.key, scaled.value, (False,)
         no_norm = oscar_scaled_recipe(token_scaling=False)
         yield "oscar_scaled_no_token_scaling", no_norm.key, no_norm.value, (False,)
@@ -196,7 +197,8 @@ def _quantize_launches(key_layout, value_layout, centred, dtype, d, hkv, scale_d
                 x = torch.zeros(1, hkv, n, d, dtype=dtype)
                 quantize_pack.quantize_tokens(
                     x, torch.eye(d), torch.zeros(hkv, d) if mean else None, axis=layout.axis, group_size=group,
-                    clip=layout.clip, token_scaling=layout.token_scaling, scale_dtype=scale_dtype)
+                    clip=layout.clip, token_scaling=layout.token_scaling, scale_dtype=scale_dtype,
+                    range_clip=layout.range_clip)
     return tuple(sink)
 
 

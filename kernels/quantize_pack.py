@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_kvint2.quant import SCALE_DTYPES, QuantizedGroups
+from hf_kvint2.quant import SCALE_DTYPES, QuantizedGroups, range_clip_divisor
 from hf_kvint2.transforms import CLIP_FLOOR
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -139,10 +139,11 @@ def _quantize_pack_kernel(
     codes_ptr, scb, sch, sct,
     scale_ptr, lo_ptr, ssb, ssh, sst,
     norm_ptr, snb,
-    H, n_tokens, clip_frac, clip_floor, r_zero,
+    H, n_tokens, clip_frac, clip_floor, range_divisor, r_zero,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, SUB_T: tl.constexpr, CHUNK: tl.constexpr,
     AXIS_CHANNEL: tl.constexpr, GROUP: tl.constexpr, HAS_MEAN: tl.constexpr, TOKEN_SCALING: tl.constexpr,
     CLIP: tl.constexpr, CLIP_I0: tl.constexpr, CLIP_I1: tl.constexpr, SCALE_DTYPE: tl.constexpr,
+    RANGE_CLIP: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -197,6 +198,10 @@ def _quantize_pack_kernel(
                 valid = ok_s[:, None] & col_ok[None, :]
                 lo = tl.minimum(lo, tl.min(tl.where(valid, xr, float("inf")), axis=0))
                 hi = tl.maximum(hi, tl.max(tl.where(valid, xr, float("-inf")), axis=0))
+            if RANGE_CLIP:  # quant.quantize_int2's narrowed range: each end moves in by width / range_divisor
+                shrink = tl.div_rn(hi - lo, range_divisor)
+                lo = lo + shrink
+                hi = hi - shrink
             lo_s = _to_scale_dtype(lo, SCALE_DTYPE)
             scale_s = _to_scale_dtype(tl.div_rn(hi - lo, 3.0), SCALE_DTYPE)
             soff = b * ssb + h * ssh + tile * sst + cols
@@ -230,7 +235,8 @@ def _quantize_pack_kernel(
 
 
 def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, *, axis: str,
-                    group_size: int, clip: float | None, token_scaling: bool, scale_dtype: torch.dtype):
+                    group_size: int, clip: float | None, token_scaling: bool, scale_dtype: torch.dtype,
+                    range_clip: float | None = None):
     """See :func:`hf_kvint2.kernels.quantize_tokens`."""
     if x.dim() != 4:
         raise ValueError(f"quantize_tokens expects x of shape [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}.")
@@ -241,6 +247,9 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
         raise ValueError(f"Unknown group axis {axis!r}; use 'token' or 'channel'.")
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}.")
+    divisor = range_clip_divisor(range_clip)
+    if divisor is not None and axis != "channel":
+        raise ValueError("range_clip applies to 'channel' groups only (per-token groups clip rows instead).")
     extent = d if axis == "token" else n
     if group_size <= 0 or extent % group_size:
         what = "head_dim" if axis == "token" else "token count"
@@ -286,11 +295,11 @@ def quantize_tokens(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor 
         codes, codes.stride(0), codes.stride(1), codes.stride(2),
         scale, lo, scale.stride(0), scale.stride(1), scale.stride(2),
         norm if norm is not None else scale, norm.stride(0) if norm is not None else 0,
-        h, n, pos - i0, CLIP_FLOOR, 0,
+        h, n, pos - i0, CLIP_FLOOR, 1.0 if divisor is None else divisor, 0,
         D=d, BLOCK_D=block_d, BLOCK_T=block_t, SUB_T=sub_t, CHUNK=min(32, block_d),
         AXIS_CHANNEL=axis == "channel", GROUP=group_size, HAS_MEAN=mean is not None, TOKEN_SCALING=token_scaling,
         CLIP=clip_on, CLIP_I0=i0, CLIP_I1=min(i0 + 1, d - 1), SCALE_DTYPE=_TL_DTYPE[scale_dtype],
-        **launch,
+        RANGE_CLIP=divisor is not None, **launch,
     )
     if scale_dtype is torch.float16 and not (torch.isfinite(scale).all() and torch.isfinite(lo).all()):
         raise ValueError("Transformed K/V values do not fit fp16 scales; pass scale_dtype=torch.bfloat16 or "

@@ -13,11 +13,12 @@ from hf_kvint2.read_path import dense_partial, mask_to_additive
 from hf_kvint2.transforms import transform_tokens
 
 
-def reference_quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype):
+def reference_quantize_tokens(x, rotation, mean, *, axis, group_size, clip, token_scaling, scale_dtype,
+                              range_clip=None):
     """What a stream stores for new tokens ``x`` (:meth:`hf_kvint2.stream.StreamCodec.quantize`)."""
     xt, norm = transform_tokens(x, rotation.float(), None if mean is None else mean.float(), clip=clip,
                                 token_scaling=token_scaling, scale_dtype=scale_dtype)
-    return quantize_int2(xt, axis, group_size, scale_dtype), norm
+    return quantize_int2(xt, axis, group_size, scale_dtype, range_clip), norm
 
 
 def layer_mask(attention_mask, lq: int, tkv: int, device) -> torch.Tensor:

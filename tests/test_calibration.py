@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from hf_kvint2 import OscarCache
 from hf_kvint2.calibration import (
+    DEFAULT_RANGE_CLIP_GRID,
     HeldOutLayer,
     LayerErrorProbe,
     LayerStatistics,
@@ -238,6 +239,70 @@ def test_clip_fitting_beats_no_clipping_on_outliers():
         assert err < 0.9 * unclipped, (kind, err, unclipped)
 
 
+def test_range_clip_fitting_narrows_per_channel_groups_with_rare_outliers():
+    """Per-channel key groups whose range a few outlier tokens set: the fit narrows the range (a measured
+    improvement over the full range), records every fraction it tried, and does not narrow without fit_clip."""
+    g = torch.Generator().manual_seed(0)
+    h, t, d, group = 1, 512, 16, 2
+    k = torch.randn(h, t, d, generator=g)
+    k = k + (torch.rand(h, t, d, generator=g) < 0.01) * 8.0
+    v = torch.randn(h, t, d, generator=g)
+    positions = torch.arange(320, 512, 4)
+    q = torch.randn(h * group, t, d, generator=g)[:, positions]
+    probe = LayerErrorProbe([HeldOutLayer(q, k, v, positions, d ** -0.5)], sink=8, recent=32,
+                            scale_dtype=torch.float16)
+    stats = LayerStatistics(h, d)
+    stats.add_pass1(torch.randn(h * group, t, d, generator=g), k, v)
+    stats.finish_pass1()
+    stats.add_pass2(k, v)
+    choice = fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64)
+    layout = choice.key.layout
+    assert layout.axis == "channel" and layout.clip is None
+    assert layout.range_clip is not None and layout.range_clip < 1.0
+    assert choice.key_error < 0.9 * choice.errors["key:channel@None"]
+    tried = {n for n in choice.errors if n.startswith("key:channel@range")}
+    assert tried == {f"key:channel@range{r}" for r in DEFAULT_RANGE_CLIP_GRID if r < 1.0}
+    plain = fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64, fit_clip=False)
+    assert plain.key.layout.range_clip is None and plain.key_error == choice.errors["key:channel@None"]
+
+
+def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer):
+    """With the model, per-channel streams may narrow their range and each that does is checked by the held-back
+    loss of the whole cache: kept where widening it would raise the loss, widened (back to the full range and its
+    measured error) otherwise. Without the model no range is narrowed."""
+    from hf_kvint2.calibration import confirm_range_clips, fit_from_statistics, fit_layers
+
+    model = tiny_llama()
+    data = collect_statistics(model, tokenizer, [TEXT], num_tokens=1200, progress=False, **SETTINGS)
+    kw = {"layouts": ("channel",), "centering": (False,), "sink_tokens": 8, "recent_tokens": 32, "group_size": 16}
+    fitted = fit_layers(data, progress=False, **kw)
+    narrowed = [(i, kind) for i, c in enumerate(fitted) for kind in ("key", "value")
+                if getattr(c, kind).layout.range_clip is not None]
+    assert narrowed  # heavy-tailed activations of a random model: the probe narrows some streams
+    final, check = confirm_range_clips(fitted, model, data.held_ids, sink_tokens=8, recent_tokens=32,
+                                       group_size=16, scale_dtype=torch.float16, head_dim=16, progress=False)
+    nll = check["held_back_nll"]
+    assert set(nll) == {"fitted"} | {f"{i}:{kind}" for i, kind in narrowed}
+    for i, kind in narrowed:
+        layout, name = getattr(final[i], kind).layout, f"{i}:{kind}"
+        assert (name in check["widened"]) == (nll[name] < nll["fitted"]) != (name in check["kept"])
+        if name in check["widened"]:
+            assert layout.range_clip is None
+            assert getattr(final[i], f"{kind}_error") == fitted[i].errors[f"{kind}:channel@None"]
+        else:
+            assert layout == getattr(fitted[i], kind).layout
+    result = fit_from_statistics(data, model.config, bits_budget=None, progress=False, model=model, **kw)
+    info = result.calibration.info
+    assert info["candidates"]["range_clip_grid"] == list(DEFAULT_RANGE_CLIP_GRID)
+    assert [p[0].range_clip for p in result.calibration.layer_layouts] == [final[i].key.layout.range_clip
+                                                                            for i in range(2)]
+    assert info["range_clip_check"]["kept"] == check["kept"]
+    plain = fit_from_statistics(data, model.config, bits_budget=None, progress=False, **kw)  # no model
+    assert plain.calibration.info["candidates"]["range_clip_grid"] is None
+    assert all(lay.range_clip is None for pair in plain.calibration.layer_layouts for lay in pair)
+    assert "range_clip_check" not in plain.calibration.info
+
+
 def test_bad_inputs_get_clear_errors(tokenizer):
     model = tiny_llama()
     with pytest.raises(ValueError, match="held-back window"):
@@ -302,6 +367,8 @@ def test_calibration_data_round_trip(tokenizer, tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(a.state_tensors(), b.state_tensors()))
     for a, b in zip(data.held_out[0], back.held_out[0]):
         assert a.scaling == b.scaling and torch.equal(a.k, b.k) and torch.equal(a.q, b.q)
+    ids = tokenize_texts(tokenizer, [TEXT], 700)
+    assert len(back.held_ids) == 1 and torch.equal(back.held_ids[0], ids[-256:])  # the held-back window's tokens
     choices = [fit_layer(s, LayerErrorProbe([h], 8, 32, torch.float16), 16) for s, h in
                zip(back.stats, back.held_out[0])]
     assert all(math.isfinite(c.key_error) for c in choices)

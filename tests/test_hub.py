@@ -79,7 +79,7 @@ def calibrated_cache(**kw):
         key_means=[torch.randn(KV_HEADS, HEAD_DIM, generator=g), None],
         value_means=[torch.randn(KV_HEADS, HEAD_DIM, generator=g), torch.randn(KV_HEADS, HEAD_DIM, generator=g)],
         layer_layouts=[(GroupLayout("token", 16, 0.95), GroupLayout("token", 16, 0.9)),
-                       (GroupLayout("channel", 8, None), GroupLayout("token", 8, 0.85))],
+                       (GroupLayout("channel", 8, None, range_clip=0.8), GroupLayout("token", 8, 0.85))],
         k_eigenvalues=[ek0, None], v_eigenvalues=[ev0, ev1], layout_names=["spectral+center", "per-channel"],
         sink_tokens=4, recent_tokens=8, **kw)
     info = {"data": "random tokens", "num_tokens": 1234, "base_model": "tiny/llama", "base_model_revision": "abc123"}
@@ -123,7 +123,9 @@ def test_oscar_round_trip_gives_identical_logits(saved, model, input_ids):
     assert config["base_model"] == "tiny/llama" and config["base_model_revision"] == "abc123"
     assert config["settings"]["k_clip"] == [0.95, None] and config["settings"]["scale_dtype"] == "float16"
     assert config["layers"][1]["key_layout"] == {"axis": "channel", "group_size": 8, "clip": None,
-                                                 "token_scaling": False}
+                                                 "token_scaling": False, "range_clip": 0.8}
+    assert "range_clip" not in config["layers"][1]["value_layout"]  # written only where set
+    assert loaded.calibration.layer_layouts[1][0].range_clip == 0.8
     assert sorted(load_file(folder / "model.safetensors")) == sorted(
         ["layers.0.key_rotation", "layers.0.key_eigenvalues", "layers.0.key_mean", "layers.0.value_rotation",
          "layers.0.value_eigenvalues", "layers.0.value_mean", "layers.1.value_rotation",
@@ -381,10 +383,12 @@ def _copy_artifact(src, dst, edit_config=None, edit_tensors=None):
     (lambda c: c["layers"][1]["value_layout"].update(group_size=True), None, "layout's group_size .* got True"),
     (lambda c: c["settings"].update(k_clip=[0.9]), None, "k_clip lists 1 clip ratios but num_layers is 2"),
     (lambda c: c["settings"].update(v_clip=1.5), None, r"v_clip ratios must be numbers in \(0, 1\]"),
+    (lambda c: c["layers"][1]["key_layout"].update(range_clip=1.7), None, "range_clip must be a fraction"),
+    (lambda c: c["layers"][0]["key_layout"].update(range_clip=0.8), None, "per-token groups"),
 ], ids=["wrong-rotation-shape", "wrong-mean-shape", "non-orthogonal", "nan", "missing-tensor", "unexpected-tensor",
         "missing-layer", "newer-version", "bad-version", "other-format", "not-an-artifact", "bad-shape-value",
         "bad-scale-dtype", "unknown-setting", "bad-layout", "layout-group-too-large", "layout-group-bool",
-        "clip-count", "clip-range"])
+        "clip-count", "clip-range", "range-clip-range", "range-clip-on-token-groups"])
 def test_broken_artifacts_get_clear_errors(saved, tmp_path, edit_config, edit_tensors, message):
     folder, _ = saved
     broken = _copy_artifact(folder, tmp_path / "broken", edit_config, edit_tensors)

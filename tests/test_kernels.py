@@ -58,10 +58,11 @@ def oscar_calibrated(d: int = D):
 
 
 def oscar_per_layer_layouts(d: int = D):
-    """OscarCache with a calibration-chosen layout: keys per channel over 16 tokens with token norms and centring,
-    values per token in 4 groups of 16 channels with clipping."""
+    """OscarCache with a calibration-chosen layout: keys per channel over 16 tokens with token norms, centring and
+    a narrowed group range, values per token in 4 groups of 16 channels with clipping."""
     return OscarCache(key_means=[torch.randn(HKV, d) * 0.5], sink_tokens=4, recent_tokens=8,
-                      layer_layouts=[(GroupLayout("channel", 16, None, True), GroupLayout("token", 16, 0.9))])
+                      layer_layouts=[(GroupLayout("channel", 16, None, True, range_clip=0.85),
+                                      GroupLayout("token", 16, 0.9))])
 
 
 def oscar_scaled(d: int = D, scale_dtype=torch.float16):
@@ -117,30 +118,39 @@ def test_quantize_stream_matches_layer_transform(name):
     for stream, x in ((layer.key_body, x_k), (layer.value_body, x_v)):
         codec = stream.codec
         xt, norm = codec.transform(x)
-        want = (quantize_int2(xt, codec.layout.axis, codec.group, codec.scale_dtype), norm)
+        want = (quantize_int2(xt, codec.layout.axis, codec.group, codec.scale_dtype, codec.layout.range_clip), norm)
         got = kernels.quantize_stream(codec, x)
         assert_quantized_match(got, want, codec.layout.axis, codec.group, xt)
 
 
-@pytest.mark.parametrize("axis,group,clip,token_scaling,scale_dtype,d,n", [
-    ("token", 16, 0.92, False, torch.bfloat16, 64, 5),   # several groups per token, bf16 scales, odd token count
-    ("channel", 8, 0.9, True, torch.float32, 32, 16),    # clip + norms on per-channel groups, two token groups
-    ("token", 96, None, True, torch.float16, 96, 3),     # head_dim that is not a power of two
+@pytest.mark.parametrize("axis,group,clip,token_scaling,scale_dtype,d,n,range_clip", [
+    ("token", 16, 0.92, False, torch.bfloat16, 64, 5, None),   # several groups per token, bf16 scales, odd count
+    ("channel", 8, 0.9, True, torch.float32, 32, 16, None),    # clip + norms on per-channel groups, two groups
+    ("token", 96, None, True, torch.float16, 96, 3, None),     # head_dim that is not a power of two
     # norms stored in bf16 and read back; 32-token groups at head_dim 256 taken as two SUB_T = 16 sub-tiles
-    ("channel", 32, None, True, torch.bfloat16, 256, 64),
-    ("token", 32, 0.9, True, torch.bfloat16, 64, 21),    # bf16 norms on per-token groups with a clip
+    ("channel", 32, None, True, torch.bfloat16, 256, 64, None),
+    ("token", 32, 0.9, True, torch.bfloat16, 64, 21, None),    # bf16 norms on per-token groups with a clip
+    ("channel", 8, None, False, torch.float16, 32, 16, 0.8),   # per-channel groups on a narrowed range
+    ("channel", 32, None, True, torch.bfloat16, 256, 64, 0.75),  # narrowed, with norms, in two sub-tiles
 ])
-def test_quantize_tokens_settings(axis, group, clip, token_scaling, scale_dtype, d, n):
+def test_quantize_tokens_settings(axis, group, clip, token_scaling, scale_dtype, d, n, range_clip):
     x, _ = kv(n, seed=3, d=d)
     rot, mean = random_rotation(d, 5).to(DEVICE), torch.randn(HKV, d, device=DEVICE)
     args = {"axis": axis, "group_size": group, "clip": clip, "token_scaling": token_scaling,
-            "scale_dtype": scale_dtype}
+            "scale_dtype": scale_dtype, "range_clip": range_clip}
     got = kernels.quantize_tokens(x, rot, mean, **args)
     want = kernels.reference_quantize_tokens(x, rot, mean, **args)
     from hf_kvint2.stream import StreamCodec
 
-    xt, _ = StreamCodec(GroupLayout(axis, group, clip, token_scaling), group, rot, mean, scale_dtype).transform(x)
-    assert_quantized_match(got, want, axis, group, xt)
+    layout = GroupLayout(axis, group, clip, token_scaling, range_clip)
+    xt, _ = StreamCodec(layout, group, rot, mean, scale_dtype).transform(x)
+    if range_clip is None:
+        assert_quantized_match(got, want, axis, group, xt)
+    else:  # values past the narrowed range saturate: no half-step bound there, codes and scales as the reference
+        assert (got[0].codes != want[0].codes).float().mean().item() < 0.01
+        tol = 2 * torch.finfo(scale_dtype).eps
+        torch.testing.assert_close(got[0].scale.float(), want[0].scale.float(), rtol=tol, atol=1e-6)
+        torch.testing.assert_close(got[0].lo.float(), want[0].lo.float(), rtol=tol, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter warns about the inf it casts

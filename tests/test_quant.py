@@ -117,6 +117,45 @@ def test_groups_with_at_most_two_distinct_values(case, data):
     assert ((xhat - two).abs() <= 4 * FP32_EPS * (two.abs() + lo2.abs())).all()
 
 
+@settings(max_examples=100, deadline=None)
+@given(grouped_tensors(max_abs=1e3), st.sampled_from([0.5, 0.7, 0.85, 0.95]))
+def test_narrowed_group_range(case, range_clip):
+    """Per-channel groups with ``range_clip``: the levels span that fraction of each group's [min, max] about its
+    centre (fp32 scales: exactly the reference arithmetic); values inside come back within half a step, values
+    outside at the nearer end level; ``range_clip=1`` is the full range bit for bit."""
+    x, _, group = case
+    if x.shape[-2] % group:
+        return
+    b, h, t, d = x.shape
+    g = x.reshape(b, h, t // group, group, d)
+    lo, hi = g.amin(-2, keepdim=True), g.amax(-2, keepdim=True)
+    shrink = (hi - lo) / (2.0 / (1.0 - range_clip))
+    lo2, hi2 = lo + shrink, hi - shrink
+    q = quantize_int2(x, "channel", group, torch.float32, range_clip=range_clip)
+    assert torch.equal(q.lo, lo2.squeeze(-2)) and torch.equal(q.scale, ((hi2 - lo2) / 3).squeeze(-2))
+    xhat = dequantize_int2(q, "channel", group).reshape(g.shape)
+    step = (hi2 - lo2) / 3
+    tol = 8 * FP32_EPS * (g.abs() + lo.abs() + hi.abs()) + 4 * torch.finfo(torch.float32).tiny
+    inside = (g >= lo2) & (g <= hi2)
+    assert ((xhat - g).abs() <= step / 2 + tol)[inside].all()
+    assert ((xhat - lo2).abs() <= tol)[g < lo2].all() and ((xhat - (lo2 + 3 * step)).abs() <= tol)[g > hi2].all()
+    full = quantize_int2(x, "channel", group, torch.float16)
+    same = quantize_int2(x, "channel", group, torch.float16, range_clip=1.0)
+    assert all(torch.equal(u, v) for u, v in zip(full, same))
+
+
+def test_narrowed_range_is_for_channel_groups_only():
+    from hf_kvint2.recipes import GroupLayout
+
+    with pytest.raises(ValueError, match="'channel' groups only"):
+        quantize_int2(torch.randn(1, 1, 4, 8), "token", 4, range_clip=0.8)
+    with pytest.raises(ValueError, match="per-token groups"):
+        GroupLayout("token", 32, range_clip=0.8)
+    for bad in (0.0, 1.5, -0.2, True, "0.8"):
+        with pytest.raises(ValueError, match="range_clip must be a fraction"):
+            GroupLayout("channel", 32, range_clip=bad)
+
+
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("axis", ["token", "channel"])
 def test_constant_groups_are_exact_without_division_by_zero(axis, scale_dtype):

@@ -28,6 +28,12 @@ How it runs:
   that minimises the summed held-back error with the mean bits/element of the quantized body within
   ``bits_budget`` (an exact knapsack over the scale bits; ``bits_budget=None``: ``group_size`` everywhere). The
   chosen sizes are in the layouts the artifact stores per layer.
+* **Narrowed ranges, checked end to end.** Per-channel groups may also span only a fraction of their
+  ``[min, max]`` (``GroupLayout.range_clip``, fitted like the clips). The attention-output error cannot tell a
+  shift that every saturated token shares from noise, so each stream that narrows is then checked by the model's
+  loss on the held-back windows (the evaluation's chunked decode through the whole calibrated cache) and keeps
+  its full range where that loss is lower (:func:`confirm_range_clips`). This needs the model and the held-back
+  token ids: ``fit_from_statistics`` without ``model=`` narrows nothing.
 
 Tokens inside the sink window (the first ``sink_tokens`` of every window) never get quantized, so they are left
 out of the key/value statistics (they carry the attention-sink outliers); all queries count.
@@ -39,6 +45,7 @@ from .fitting import (
     DEFAULT_CLIP_GRID,
     DEFAULT_GROUP_SIZES,
     DEFAULT_K_CLIP,
+    DEFAULT_RANGE_CLIP_GRID,
     DEFAULT_V_CLIP,
     LAYOUTS,
     Candidate,
@@ -56,6 +63,7 @@ from .run import (
     calibration_from_choices,
     calibration_info,
     calibration_summary,
+    confirm_range_clips,
     fit_calibration,
     fit_from_statistics,
     settings_from_choices,
@@ -67,6 +75,7 @@ __all__ = [
     "DEFAULT_CLIP_GRID",
     "DEFAULT_GROUP_SIZES",
     "DEFAULT_K_CLIP",
+    "DEFAULT_RANGE_CLIP_GRID",
     "DEFAULT_V_CLIP",
     "LAYOUTS",
     "CalibrationData",
@@ -81,6 +90,7 @@ __all__ = [
     "calibration_from_choices",
     "calibration_info",
     "calibration_summary",
+    "confirm_range_clips",
     "candidate_transforms",
     "capture_attention",
     "collect_statistics",

@@ -17,6 +17,10 @@ from .statistics import CalibrationData, HeldOutLayer, LayerStatistics
 
 LAYOUTS = ("spectral", "hadamard", "channel")
 DEFAULT_CLIP_GRID = (0.86, 0.89, 0.92, 0.94, 0.96, 0.98, 1.0)
+# Per-channel token groups: the fractions of each group's [min, max] the four levels may span
+# (GroupLayout.range_clip). With 2 bits a group's extreme tokens set levels that most of its tokens fall between.
+# What the held-back error prefers is then checked end to end (run.confirm_range_clips; docs/calibration.md).
+DEFAULT_RANGE_CLIP_GRID = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
 DEFAULT_K_CLIP, DEFAULT_V_CLIP = 0.96, 0.92
 # Group sizes each K/V stream may get (per-token groups are capped at head_dim) and the default budget of the
 # quantized body in bits/element, averaged over the calibrated K/V streams: 2-bit codes plus a scale and a zero
@@ -152,9 +156,12 @@ def _group_options(axis: str, sizes: Sequence[int], head_dim: int) -> list[int]:
 
 def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: int, *, layouts=LAYOUTS,
               centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
-              group_size: int = 128, group_sizes: Sequence[int] | None = None) -> LayerChoice:
+              range_clip_grid=DEFAULT_RANGE_CLIP_GRID, group_size: int = 128,
+              group_sizes: Sequence[int] | None = None) -> LayerChoice:
     """Pick the key and the value candidate with the lowest attention-output error (first wins ties); without
-    ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP``.
+    ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP`` and per-channel groups span their
+    whole range. Per-token candidates try the row clips of ``clip_grid``, per-channel ones the narrowed group
+    ranges of ``range_clip_grid`` (:attr:`GroupLayout.range_clip`).
 
     The choice is made at ``group_size`` (per-channel key groups over ``min(group_size, head_dim)`` tokens: the
     same scale count as per-token groups); ``group_sizes`` also measures every candidate at those group sizes and
@@ -172,8 +179,8 @@ def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: i
         for layout in layouts:
             for centered in centering:
                 rot, mean, evals = candidate_transforms(stats, kind, layout, centered, head_dim)
-                if layout == "channel":  # per-channel groups over tokens
-                    clips, axis = [None], "channel"
+                if layout == "channel":  # per-channel groups over tokens: no row clip, a narrowed group range
+                    clips, axis = (list(range_clip_grid) if fit_clip else [None]), "channel"
                 else:
                     clips, axis = (list(clip_grid) if fit_clip else [default_clip]), "token"
                 sizes = _group_options(axis, [default, *extra], head_dim)
@@ -181,13 +188,15 @@ def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: i
                     sizes = [g for g in sizes if g == default or g <= probe.longest_group]
                 for clip in clips:
                     clip = None if clip is not None and clip >= 1.0 else clip
+                    row_clip, range_clip = (None, clip) if axis == "channel" else (clip, None)
                     for size in sizes:
                         # the default group is stored as before (token groups as group_size, capped when used)
                         stored = (group_size if axis == "token" else default) if size == default else size
-                        cand = Candidate(_candidate_name(layout, centered), GroupLayout(axis, stored, clip), rot,
-                                         mean, evals)
+                        cand = Candidate(_candidate_name(layout, centered),
+                                         GroupLayout(axis, stored, row_clip, range_clip=range_clip), rot, mean, evals)
                         err = float("nan") if probe is None else probe.error(kind, cand)
-                        errors[f"{kind}:{cand.name}@{clip}" + ("" if size == default else f"/g{size}")] = err
+                        where = f"@range{clip}" if range_clip is not None else f"@{clip}"
+                        errors[f"{kind}:{cand.name}{where}" + ("" if size == default else f"/g{size}")] = err
                         if size not in best or err < best[size][1]:
                             best[size] = (cand, err)
         chosen[kind] = best[default]
@@ -258,7 +267,7 @@ def allocate_group_sizes(choices: Sequence[LayerChoice | None], bits_budget: flo
 
 
 def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True), fit_clip: bool = True,
-               clip_grid=DEFAULT_CLIP_GRID, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
+               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=DEFAULT_RANGE_CLIP_GRID, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
                group_sizes: Sequence[int] | None = None, scale_dtype: torch.dtype = torch.float16,
                progress: bool = True) -> list[LayerChoice | None]:
     """One :class:`LayerChoice` per layer, None for the layers without statistics (not calibrated)."""
@@ -272,6 +281,7 @@ def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True
         held = [w[idx] for w in data.held_out]
         probe = LayerErrorProbe(held, sink_tokens, recent_tokens, scale_dtype) if held else None
         choices.append(fit_layer(data.stats[idx], probe, data.head_dim, layouts=layouts, centering=centering,
-                                 fit_clip=fit_clip, clip_grid=clip_grid, group_size=group_size,
+                                 fit_clip=fit_clip, clip_grid=clip_grid, range_clip_grid=range_clip_grid,
+                                 group_size=group_size,
                                  group_sizes=group_sizes))
     return choices

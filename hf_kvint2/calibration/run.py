@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from .fitting import (
     DEFAULT_CLIP_GRID,
     DEFAULT_GROUP_SIZES,
     DEFAULT_K_CLIP,
+    DEFAULT_RANGE_CLIP_GRID,
     DEFAULT_V_CLIP,
     LAYOUTS,
     LayerChoice,
@@ -67,7 +68,8 @@ def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens:
 def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], config, data_description: str,
                      model_id: str | None = None, model_revision: str | None = None, *, layouts=LAYOUTS,
                      centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
-                     group_allocation: dict | None = None) -> dict:
+                     range_clip_grid=None, group_allocation: dict | None = None,
+                     range_clip_check: dict | None = None) -> dict:
     """The deterministic description stored in the artifact (no timings: same inputs, same bytes).
     ``group_allocation`` (the budget, candidate group sizes and the bits reached) is recorded when the group sizes
     were allocated; the chosen group size of each layer's K and V is in its layouts."""
@@ -81,7 +83,8 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
         "token_sha256": data.info["token_sha256"],
         "method": "two-pass streaming qqt/sst metrics, per-layer layout and clip by held-back attention error",
         "candidates": {"layouts": list(layouts), "centering": list(centering), "fit_clip": fit_clip,
-                       "clip_grid": [float(r) for r in clip_grid] if fit_clip else None},
+                       "clip_grid": [float(r) for r in clip_grid] if fit_clip else None,
+                       "range_clip_grid": [float(r) for r in range_clip_grid] if range_clip_grid else None},
         "layer_types": layer_types(config),
         "calibrated_layers": data.calibrated_layers,
         "attention_error": {"key": [None if c is None else c.key_error for c in choices],
@@ -89,7 +92,65 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
     }
     if group_allocation is not None:
         info["group_allocation"] = group_allocation
+    if range_clip_check is not None:
+        info["range_clip_check"] = range_clip_check
     return info
+
+
+def confirm_range_clips(choices: Sequence[LayerChoice | None], model, held_ids: Sequence[torch.Tensor], *,
+                        sink_tokens: int, recent_tokens: int, group_size: int, scale_dtype: torch.dtype,
+                        head_dim: int, progress: bool = True) -> tuple[list[LayerChoice | None], dict | None]:
+    """Keep each stream's narrowed group range (:attr:`GroupLayout.range_clip`) only where the model's loss on the
+    held-back windows says it pays.
+
+    The held-back attention error measures how far each output moves, not which way: narrowing a range saturates a
+    group's extreme tokens, a shift of the same sign for every one of them, and where those tokens are what
+    attention looks for (Gemma 3's first full-attention layer) the error falls while perplexity rises by several
+    percent. So the windows are decoded by the evaluation's chunked protocol (prefill a quarter, chunks of a
+    sixteenth) through the whole calibrated cache, once as fitted and once per narrowed stream with that stream's
+    full range; a stream keeps its narrowed range only if its full range gives a higher loss. Returns the choices
+    and what was measured (None: nothing narrowed)."""
+    from ..cache import OscarCache
+    from ..evaluation import CacheMethod, chunked_perplexity
+
+    streams = [(i, kind) for i, c in enumerate(choices) if c is not None for kind in ("key", "value")
+               if getattr(c, kind).layout.range_clip is not None]
+    if not streams:
+        return list(choices), None
+
+    def widened(drop) -> list[LayerChoice | None]:
+        out = list(choices)
+        for i, kind in drop:
+            c = out[i]
+            cand = getattr(c, kind)
+            full = replace(cand, layout=replace(cand.layout, range_clip=None))
+            size = cand.layout.group_size
+            name = f"{kind}:{cand.name}@None" + ("" if size == min(group_size, head_dim) else f"/g{size}")
+            out[i] = replace(c, **{kind: full, f"{kind}_error": c.errors.get(name, float("nan"))})
+        return out
+
+    def method(name, ch):
+        settings = settings_from_choices(ch, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                                         group_size=group_size, scale_dtype=scale_dtype)
+        calibration = calibration_from_choices(ch)
+        return CacheMethod(name, name, lambda cfg: OscarCache(cfg, settings=settings, calibration=calibration))
+
+    variants = {"fitted": list(choices), **{f"{i}:{kind}": widened([(i, kind)]) for i, kind in streams}}
+    windows = torch.stack(list(held_ids)).long()
+    window = windows.shape[1]
+    prefill, chunk = window // 4, max(1, window // 16)
+    names, nll = list(variants), {}
+    for j in range(0, len(names), 4):  # a few caches side by side: memory stays that of ~4 decodes
+        batch = [method(n, variants[n]) for n in names[j:j + 4]]
+        results = chunked_perplexity(model, windows, batch, prefill, chunk, progress=progress)
+        nll.update({n: math.log(r.perplexity) for n, r in results.items()})
+    drop = [(i, kind) for i, kind in streams if nll[f"{i}:{kind}"] < nll["fitted"]]
+    report = {"method": "held-back loss (chunked decode: prefill window/4, chunks window/16) of the calibrated "
+                        "cache as fitted and with each narrowed stream at its full range",
+              "held_back_nll": nll,
+              "kept": [f"{i}:{kind}" for i, kind in streams if (i, kind) not in drop],
+              "widened": [f"{i}:{kind}" for i, kind in drop]}
+    return widened(drop), report
 
 
 def _check_allocation(group_sizes, bits_budget) -> tuple[int, ...] | None:
@@ -113,8 +174,8 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
                         group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
                         bits_budget: float | str | None = "auto", scale_dtype: torch.dtype = torch.float16,
                         data_description: str = "", model_id: str | None = None, model_revision: str | None = None,
-                        progress: bool = True, choices: Sequence[LayerChoice | None] | None = None
-                        ) -> CalibrationResult:
+                        progress: bool = True, choices: Sequence[LayerChoice | None] | None = None,
+                        model=None) -> CalibrationResult:
     """Steps 3-4 of a calibration from collected (or saved, :meth:`CalibrationData.load`) statistics: fit every
     calibrated layer (or take ``choices`` fitted before with the same arguments), allocate the group sizes within
     ``bits_budget`` and build the settings and calibration. ``bits_budget``: bits/element of the quantized body
@@ -122,13 +183,20 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
     everywhere costs where that is more (head_dim 64: per-token groups cannot exceed 64 channels, 2.5 bits), so
     that the default never stores a model in fewer bits than one group size everywhere would; None:
     ``group_size`` everywhere. ``sink_tokens`` / ``recent_tokens`` must be those the statistics were collected
-    with."""
+    with.
+
+    ``model`` (the calibrated model; with ``fit_clip`` and statistics that hold their held-back token ids): per-channel
+    groups may also narrow their range (:attr:`GroupLayout.range_clip`), and every stream that does is checked end to
+    end (:func:`confirm_range_clips`): the held-back attention error favours narrowing where the model's loss does not.
+    Without it no range is narrowed."""
     sizes = _check_allocation(group_sizes, bits_budget)
     start = time.perf_counter()
+    confirming = model is not None and fit_clip and bool(data.held_ids)
+    range_grid = DEFAULT_RANGE_CLIP_GRID if confirming else None
     if choices is None:
         choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
-                             sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                             group_sizes=sizes, scale_dtype=scale_dtype, progress=progress)
+                             range_clip_grid=range_grid or (1.0,), sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+                             group_size=group_size, group_sizes=sizes, scale_dtype=scale_dtype, progress=progress)
     allocation = None
     if sizes is not None:
         uniform = body_bits(choices, data.head_dim, scale_dtype)
@@ -140,9 +208,15 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
                       "body_bits": body_bits(choices, data.head_dim, scale_dtype), "uniform_body_bits": uniform,
                       "method": "per K/V stream group size minimising the summed held-back attention error "
                                 "within the mean body bits/element budget (exact knapsack)"}
+    confirmation = None
+    if confirming:
+        choices, confirmation = confirm_range_clips(
+            choices, model, data.held_ids, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+            group_size=group_size, scale_dtype=scale_dtype, head_dim=data.head_dim, progress=progress)
     info = calibration_info(data, choices, config, data_description, model_id, model_revision, layouts=layouts,
                             centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
-                            group_allocation=allocation)
+                            range_clip_grid=range_grid, group_allocation=allocation,
+                            range_clip_check=confirmation)
     report = {"seconds_fit": time.perf_counter() - start, "choices": choices, "data": data}
     settings = settings_from_choices(choices, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
                                      group_size=group_size, scale_dtype=scale_dtype)
@@ -180,12 +254,15 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
                               fit_windows=fit_windows if choosing else 0, fit_queries=fit_queries,
                               sink_tokens=sink_tokens, recent_tokens=recent_tokens, value_pass=value_pass,
                               spill_dir=spill_dir, layers=layers, progress=progress)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
     result = fit_from_statistics(
         data, model.config, fit_clip=fit_clip, layouts=layouts, centering=centering, clip_grid=clip_grid,
         sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size, group_sizes=group_sizes,
         bits_budget=bits_budget, scale_dtype=scale_dtype,
         data_description=data_description or f"{len(texts) if not isinstance(texts, str) else 1} text(s)",
-        model_id=model_id, model_revision=model_revision, progress=progress)
+        model_id=model_id, model_revision=model_revision, progress=progress,
+        model=None if distributed else model)  # the end-to-end check decodes with one process's whole model
     device = next(model.parameters()).device
     result.report.update(seconds=time.perf_counter() - start, seconds_capture=data.info["seconds_capture"],
                          peak_memory_bytes=_peak_memory_bytes(device))
@@ -197,8 +274,11 @@ def print_summary(cache) -> None:
         print(calibration_summary(cache))
 
 
-def _clip_str(clip) -> str:
-    return "-" if clip is None else f"{clip:.2f}"
+def _clip_str(layout) -> str:
+    """A layout's row clip, or its narrowed group range as ``r<fraction>`` (per-channel groups)."""
+    if layout.range_clip is not None:
+        return f"r{layout.range_clip:.2f}"
+    return "-" if layout.clip is None else f"{layout.clip:.2f}"
 
 
 def calibration_summary(cache, artifact_path: str | None = None) -> str:
@@ -220,6 +300,10 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
         lines.append(f"  group sizes allocated within {allocation['bits_budget']} bits/element (candidates "
                      f"{allocation['group_sizes']}): body {allocation['body_bits']:.4f} bits/element (one group "
                      f"size everywhere: {allocation['uniform_body_bits']:.4f})")
+    check = info.get("range_clip_check")
+    if check:
+        lines.append(f"  narrowed group ranges checked on the held-back loss: kept {check['kept'] or 'none'}, "
+                     f"widened {check['widened'] or 'none'} (layer:stream)")
     lines.append(f"  {'layer':>5}  {'key layout':<16}{'k grp':>6}{'k clip':>7}{'k err':>10}  {'value layout':<16}"
                  f"{'v grp':>6}{'v clip':>7}{'v err':>10}")
     errors = info.get("attention_error", {})
@@ -232,8 +316,8 @@ def calibration_summary(cache, artifact_path: str | None = None) -> str:
         ke, ve = errors.get("key", [None] * (i + 1))[i], errors.get("value", [None] * (i + 1))[i]
         fmt = lambda e: "-" if e is None or math.isnan(e) else f"{e:.2e}"
         d = info.get("head_dim") or 1 << 30
-        lines.append(f"  {i:>5}  {kname:<16}{pair[0].group_for(d):>6}{_clip_str(pair[0].clip):>7}{fmt(ke):>10}  "
-                     f"{vname:<16}{pair[1].group_for(d):>6}{_clip_str(pair[1].clip):>7}{fmt(ve):>10}")
+        lines.append(f"  {i:>5}  {kname:<16}{pair[0].group_for(d):>6}{_clip_str(pair[0]):>7}{fmt(ke):>10}  "
+                     f"{vname:<16}{pair[1].group_for(d):>6}{_clip_str(pair[1]):>7}{fmt(ve):>10}")
     if artifact_path is not None:
         lines.append(f"  artifact written to: {artifact_path}")
     return "\n".join(lines)

@@ -116,6 +116,9 @@ class CalibrationData:
     kv_heads: int
     head_dim: int
     info: dict = field(default_factory=dict)
+    # the token ids of the held-back windows ([text_window] each): what the fit's end-to-end check runs the model
+    # on (statistics saved before they were recorded have none)
+    held_ids: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def calibrated_layers(self) -> list[int]:
@@ -135,6 +138,7 @@ class CalibrationData:
                 if h is None:
                     continue
                 tensors.update({f"held.{w}.{i}.{n}": getattr(h, n).clone(memory_format=torch.contiguous_format) for n in ("q", "k", "v", "positions")})
+        tensors.update({f"held_ids.{w}": ids.clone() for w, ids in enumerate(self.held_ids)})
         meta = {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "info": self.info, "counts": [None if s is None else (s.q_count, s.kv_count) for s in self.stats],
                 "scaling": scaling}
@@ -161,7 +165,9 @@ class CalibrationData:
         held = [[None if sc is None else HeldOutLayer(*(t[f"held.{w}.{i}.{n}"] for n in ("q", "k", "v", "positions")),
                                                       sc)
                  for i, sc in enumerate(layer_scaling)] for w, layer_scaling in enumerate(meta["scaling"])]
-        return cls(stats, held, meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["info"])
+        held_ids = [t[f"held_ids.{w}"] for w in range(len(held)) if f"held_ids.{w}" in t]
+        return cls(stats, held, meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["info"],
+                   held_ids if len(held_ids) == len(held) else [])
 
 
 def _query_positions(text_window: int, count: int, sink: int, recent: int) -> torch.Tensor:
@@ -299,7 +305,8 @@ def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: in
     }
     if shard is not None:
         _gather_heads(stats, held_out, shard)
-    return CalibrationData(stats, held_out, num_layers, kv_heads, head_dim, info)
+    return CalibrationData(stats, held_out, num_layers, kv_heads, head_dim, info,
+                           [w.clone() for w in held_windows] if held_out else [])
 
 
 def _gather_heads(stats: list[LayerStatistics], held_out: list[list[HeldOutLayer]], shard) -> None:

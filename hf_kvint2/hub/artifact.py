@@ -120,7 +120,7 @@ def _encode_oscar(cache) -> tuple[dict, dict[str, torch.Tensor], dict]:
                     if part == "mean":
                         inferred["num_key_value_heads"], inferred["head_dim"] = t.shape[0], t.shape[-1]
             layout = pair[side] if pair is not None else None
-            entry[f"{kind}_layout"] = asdict(layout) if layout is not None else None
+            entry[f"{kind}_layout"] = _layout_to_json(layout)
         layers.append(entry)
     return layers, tensors, inferred
 
@@ -270,6 +270,17 @@ def _layer_has(entry: dict, key: str, i: int, where: str) -> bool:
         raise _fail(where, f"config.json key layers[{i}].{key} must be true, false or null (whether "
                            f"{TENSORS_NAME} holds the tensor), got {v!r} ({type(v).__name__}).")
     return bool(v)
+
+
+def _layout_to_json(layout: GroupLayout | None) -> dict | None:
+    """A layout as config.json stores it; ``range_clip`` only where set, so that artifacts without it read the
+    same in versions that predate it."""
+    if layout is None:
+        return None
+    out = asdict(layout)
+    if out["range_clip"] is None:
+        del out["range_clip"]
+    return out
 
 
 def _layout_from_json(value, where: str) -> GroupLayout | None:

@@ -29,6 +29,8 @@ def render_card(config: dict, cls_name: str, repo_id: str | None = None, subfold
                 (" +norm" if lay.get("token_scaling") else "")
         def clip(lay, kind, i=i):
             if lay is not None:
+                if lay.get("range_clip") is not None:  # per-channel groups: the fraction of the range they span
+                    return f"group range {lay['range_clip']:.3g}"
                 return "none" if lay.get("clip") is None else f"{lay['clip']:.3g}"
             value = config["settings"].get(f"{kind}_clip")
             value = value[i] if isinstance(value, list) else value
