@@ -8,6 +8,7 @@ same Emma windows as ``benchmarks/quality.py --model gemma3 --windows 4`` (chunk
     python benchmarks/gemma3_group_allocation.py --key-groups 5:32 --value-group 256
 
 ``--calibration DIR`` starts from another artifact (``--key-groups '' --value-group 0``: its own group sizes);
+``--key-range-clips 5:0.85`` narrows layer 5's key groups to 85% of their range (``none``: every layer's full range);
 ``--text pride-heldout`` evaluates on Pride and Prejudice from token 100000 on (past the 30000 or 90000 tokens any
 calibration here used) instead of Emma, with ``--baselines`` measuring full precision and KIVI-2 in the same run
 (there is no reference file for that text): a second text on which to rank fits that Emma ranks.
@@ -29,6 +30,9 @@ def main(argv=None) -> dict:
     p.add_argument("--key-groups", default="5:32", help="layer:group pairs for the keys, comma-separated")
     p.add_argument("--value-group", type=int, default=256,
                    help="group size of every calibrated layer's values (0: the artifact's own)")
+    p.add_argument("--key-range-clips", default="",
+                   help="layer:fraction pairs setting the keys' narrowed group range (GroupLayout.range_clip), "
+                        "comma-separated; 'none' clears every layer's (default: the artifact's own)")
     p.add_argument("--windows", type=int, default=4, help="Emma windows of 2048 (default 4, as the 2k run)")
     p.add_argument("--calibration", default=None, help="OscarCache artifact folder (default: the shipped Gemma 3 one)")
     p.add_argument("--text", default="emma", choices=("emma", "pride-heldout"),
@@ -64,12 +68,17 @@ def main(argv=None) -> dict:
     model, tokenizer = load_gemma3(attn_implementation="sdpa")
     base = OscarCache.from_pretrained(args.calibration or hub.GEMMA3_ARTIFACT_ID)
     key_groups = {int(a): int(b) for a, b in (x.split(":") for x in args.key_groups.split(",") if x)}
+    clear_ranges = args.key_range_clips == "none"
+    key_ranges = {} if clear_ranges else {int(a): float(b) for a, b in
+                                          (x.split(":") for x in args.key_range_clips.split(",") if x)}
     layouts = []
     for idx, pair in enumerate(base.calibration.layer_layouts):
         if pair is None:
             layouts.append(None)
             continue
         k, v = pair
+        if clear_ranges or idx in key_ranges:
+            k = dataclasses.replace(k, range_clip=key_ranges.get(idx))
         layouts.append((dataclasses.replace(k, group_size=key_groups.get(idx, k.group_size)),
                         dataclasses.replace(v, group_size=args.value_group or v.group_size)))
     calibration = dataclasses.replace(base.calibration, layer_layouts=tuple(layouts))
@@ -110,6 +119,7 @@ def main(argv=None) -> dict:
                                                                                   else argv),
            "calibration": args.calibration or hub.GEMMA3_ARTIFACT_ID, "text": args.text,
            "key_groups": key_groups, "value_group": args.value_group, "windows": args.windows,
+           "key_range_clips": "none" if clear_ranges else key_ranges,
            "layouts": {i: [dataclasses.asdict(x) for x in pair] for i, pair in enumerate(layouts) if pair},
            "perplexity": res.perplexity, "window_perplexities": res.window_perplexities,
            "delta_pct_vs_fp": 100 * (res.perplexity / fp - 1), "bits_per_element_16bit": bits16,
