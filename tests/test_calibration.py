@@ -241,7 +241,8 @@ def test_clip_fitting_beats_no_clipping_on_outliers():
 
 def test_range_clip_fitting_narrows_per_channel_groups_with_rare_outliers():
     """Per-channel key groups whose range a few outlier tokens set: the fit narrows the range (a measured
-    improvement over the full range), records every fraction it tried, and does not narrow without fit_clip."""
+    improvement over the full range) and records every fraction it tried; it does not narrow by default or
+    without fit_clip."""
     g = torch.Generator().manual_seed(0)
     h, t, d, group = 1, 512, 16, 2
     k = torch.randn(h, t, d, generator=g)
@@ -255,15 +256,18 @@ def test_range_clip_fitting_narrows_per_channel_groups_with_rare_outliers():
     stats.add_pass1(torch.randn(h * group, t, d, generator=g), k, v)
     stats.finish_pass1()
     stats.add_pass2(k, v)
-    choice = fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64)
+    choice = fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64,
+                       range_clip_grid=DEFAULT_RANGE_CLIP_GRID)
     layout = choice.key.layout
     assert layout.axis == "channel" and layout.clip is None
     assert layout.range_clip is not None and layout.range_clip < 1.0
     assert choice.key_error < 0.9 * choice.errors["key:channel@None"]
     tried = {n for n in choice.errors if n.startswith("key:channel@range")}
     assert tried == {f"key:channel@range{r}" for r in DEFAULT_RANGE_CLIP_GRID if r < 1.0}
-    plain = fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64, fit_clip=False)
-    assert plain.key.layout.range_clip is None and plain.key_error == choice.errors["key:channel@None"]
+    for plain in (fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64),  # default
+                  fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64, fit_clip=False,
+                            range_clip_grid=DEFAULT_RANGE_CLIP_GRID)):
+        assert plain.key.layout.range_clip is None and plain.key_error == choice.errors["key:channel@None"]
 
 
 def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer):
@@ -275,7 +279,7 @@ def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer)
     model = tiny_llama()
     data = collect_statistics(model, tokenizer, [TEXT], num_tokens=1200, progress=False, **SETTINGS)
     kw = {"layouts": ("channel",), "centering": (False,), "sink_tokens": 8, "recent_tokens": 32, "group_size": 16}
-    fitted = fit_layers(data, progress=False, **kw)
+    fitted = fit_layers(data, progress=False, range_clip_grid=DEFAULT_RANGE_CLIP_GRID, **kw)
     narrowed = [(i, kind) for i, c in enumerate(fitted) for kind in ("key", "value")
                 if getattr(c, kind).layout.range_clip is not None]
     assert narrowed  # heavy-tailed activations of a random model: the probe narrows some streams

@@ -19,8 +19,11 @@ LAYOUTS = ("spectral", "hadamard", "channel")
 DEFAULT_CLIP_GRID = (0.86, 0.89, 0.92, 0.94, 0.96, 0.98, 1.0)
 # Per-channel token groups: the fractions of each group's [min, max] the four levels may span
 # (GroupLayout.range_clip). With 2 bits a group's extreme tokens set levels that most of its tokens fall between.
-# What the held-back error prefers is then checked end to end (run.confirm_range_clips; docs/calibration.md).
-DEFAULT_RANGE_CLIP_GRID = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+# What the held-back error prefers is then checked end to end (run.confirm_range_clips; docs/calibration.md), so
+# fit_layer / fit_layers narrow only when given this grid (fit_from_statistics does, with the model). The full range
+# first: ties keep it.
+DEFAULT_RANGE_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+FULL_RANGE = (1.0,)
 DEFAULT_K_CLIP, DEFAULT_V_CLIP = 0.96, 0.92
 # Group sizes each K/V stream may get (per-token groups are capped at head_dim) and the default budget of the
 # quantized body in bits/element, averaged over the calibrated K/V streams: 2-bit codes plus a scale and a zero
@@ -156,12 +159,13 @@ def _group_options(axis: str, sizes: Sequence[int], head_dim: int) -> list[int]:
 
 def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: int, *, layouts=LAYOUTS,
               centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
-              range_clip_grid=DEFAULT_RANGE_CLIP_GRID, group_size: int = 128,
+              range_clip_grid=FULL_RANGE, group_size: int = 128,
               group_sizes: Sequence[int] | None = None) -> LayerChoice:
     """Pick the key and the value candidate with the lowest attention-output error (first wins ties); without
     ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP`` and per-channel groups span their
     whole range. Per-token candidates try the row clips of ``clip_grid``, per-channel ones the narrowed group
-    ranges of ``range_clip_grid`` (:attr:`GroupLayout.range_clip`).
+    ranges of ``range_clip_grid`` (:attr:`GroupLayout.range_clip`; default: the full range only, since the
+    attention error alone is no safe guide to them: :func:`~hf_kvint2.calibration.confirm_range_clips`).
 
     The choice is made at ``group_size`` (per-channel key groups over ``min(group_size, head_dim)`` tokens: the
     same scale count as per-token groups); ``group_sizes`` also measures every candidate at those group sizes and
@@ -267,7 +271,7 @@ def allocate_group_sizes(choices: Sequence[LayerChoice | None], bits_budget: flo
 
 
 def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True), fit_clip: bool = True,
-               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=DEFAULT_RANGE_CLIP_GRID, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
+               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=FULL_RANGE, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
                group_sizes: Sequence[int] | None = None, scale_dtype: torch.dtype = torch.float16,
                progress: bool = True) -> list[LayerChoice | None]:
     """One :class:`LayerChoice` per layer, None for the layers without statistics (not calibrated)."""
