@@ -135,6 +135,7 @@ def calibrate(args) -> int:
 
     from hf_kvint2 import OscarCache
     from hf_kvint2.calibration import CalibrationData, calibration_summary, fit_from_statistics
+    from hf_kvint2.evaluation import confirm_range_clips
 
     if not args.text:
         sys.exit("--text FILE is required (the calibration text; with --from-statistics: the text of that run, "
@@ -152,7 +153,7 @@ def calibrate(args) -> int:
     common = dict(fit_clip=not args.no_fit_clip, layouts=layouts,
                   centering=(False,) if args.no_centering else (False, True), sink_tokens=args.sink_tokens,
                   recent_tokens=args.recent_tokens, data_description=", ".join(names), model_id=model_id,
-                  model_revision=revision, **_allocation(args))
+                  model_revision=revision, range_clip_check=confirm_range_clips, **_allocation(args))
     if args.from_statistics:
         data = CalibrationData.load(args.from_statistics)
         if data.num_layers != model.config.get_text_config().num_hidden_layers:

@@ -273,8 +273,9 @@ def test_range_clip_fitting_narrows_per_channel_groups_with_rare_outliers():
 def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer):
     """With the model, per-channel streams may narrow their range and each that does is checked by the held-back
     loss of the whole cache: kept where widening it would raise the loss, widened (back to the full range and its
-    measured error) otherwise. Without the model no range is narrowed."""
-    from hf_kvint2.calibration import confirm_range_clips, fit_from_statistics, fit_layers
+    measured error) otherwise. Without the check (range_clip_check) no range is narrowed."""
+    from hf_kvint2.calibration import fit_from_statistics, fit_layers
+    from hf_kvint2.evaluation import confirm_range_clips
 
     model = tiny_llama()
     data = collect_statistics(model, tokenizer, [TEXT], num_tokens=1200, progress=False, **SETTINGS)
@@ -295,13 +296,14 @@ def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer)
             assert getattr(final[i], f"{kind}_error") == fitted[i].errors[f"{kind}:channel@None"]
         else:
             assert layout == getattr(fitted[i], kind).layout
-    result = fit_from_statistics(data, model.config, bits_budget=None, progress=False, model=model, **kw)
+    result = fit_from_statistics(data, model.config, bits_budget=None, progress=False, model=model,
+                                 range_clip_check=confirm_range_clips, **kw)
     info = result.calibration.info
     assert info["candidates"]["range_clip_grid"] == list(DEFAULT_RANGE_CLIP_GRID)
     assert [p[0].range_clip for p in result.calibration.layer_layouts] == [final[i].key.layout.range_clip
                                                                             for i in range(2)]
     assert info["range_clip_check"]["kept"] == check["kept"]
-    plain = fit_from_statistics(data, model.config, bits_budget=None, progress=False, **kw)  # no model
+    plain = fit_from_statistics(data, model.config, bits_budget=None, progress=False, model=model, **kw)  # no check
     assert plain.calibration.info["candidates"]["range_clip_grid"] is None
     assert all(lay.range_clip is None for pair in plain.calibration.layer_layouts for lay in pair)
     assert "range_clip_check" not in plain.calibration.info

@@ -32,8 +32,9 @@ How it runs:
   ``[min, max]`` (``GroupLayout.range_clip``, fitted like the clips). The attention-output error cannot tell a
   shift that every saturated token shares from noise, so each stream that narrows is then checked by the model's
   loss on the held-back windows (the evaluation's chunked decode through the whole calibrated cache) and keeps
-  its full range where that loss is lower (:func:`confirm_range_clips`). This needs the model and the held-back
-  token ids: ``fit_from_statistics`` without ``model=`` narrows nothing.
+  its full range where that loss is lower (``range_clip_check=hf_kvint2.evaluation.confirm_range_clips``, which
+  ``calibrate_oscar.py`` passes; the evaluation sits above this package). Without it, the model or the held-back
+  token ids nothing is narrowed.
 
 Tokens inside the sink window (the first ``sink_tokens`` of every window) never get quantized, so they are left
 out of the key/value statistics (they carry the attention-sink outliers); all queries count.
@@ -63,7 +64,6 @@ from .run import (
     calibration_from_choices,
     calibration_info,
     calibration_summary,
-    confirm_range_clips,
     fit_calibration,
     fit_from_statistics,
     settings_from_choices,
@@ -93,7 +93,6 @@ __all__ = [
     "candidate_transforms",
     "capture_attention",
     "collect_statistics",
-    "confirm_range_clips",
     "fit_calibration",
     "fit_from_statistics",
     "fit_layer",

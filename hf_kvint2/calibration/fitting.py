@@ -19,7 +19,7 @@ LAYOUTS = ("spectral", "hadamard", "channel")
 DEFAULT_CLIP_GRID = (0.86, 0.89, 0.92, 0.94, 0.96, 0.98, 1.0)
 # Per-channel token groups: the fractions of each group's [min, max] the four levels may span
 # (GroupLayout.range_clip). With 2 bits a group's extreme tokens set levels that most of its tokens fall between.
-# What the held-back error prefers is then checked end to end (run.confirm_range_clips; docs/calibration.md), so
+# What the held-back error prefers is then checked end to end (evaluation.confirm_range_clips; docs/calibration.md), so
 # fit_layer / fit_layers narrow only when given this grid (fit_from_statistics does, with the model). The full range
 # first: ties keep it.
 DEFAULT_RANGE_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
@@ -165,7 +165,7 @@ def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: i
     ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP`` and per-channel groups span their
     whole range. Per-token candidates try the row clips of ``clip_grid``, per-channel ones the narrowed group
     ranges of ``range_clip_grid`` (:attr:`GroupLayout.range_clip`; default: the full range only, since the
-    attention error alone is no safe guide to them: :func:`~hf_kvint2.calibration.confirm_range_clips`).
+    attention error alone is no safe guide to them: :func:`hf_kvint2.evaluation.confirm_range_clips`).
 
     The choice is made at ``group_size`` (per-channel key groups over ``min(group_size, head_dim)`` tokens: the
     same scale count as per-token groups); ``group_sizes`` also measures every candidate at those group sizes and

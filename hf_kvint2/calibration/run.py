@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -98,60 +98,6 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
     return info
 
 
-def confirm_range_clips(choices: Sequence[LayerChoice | None], model, held_ids: Sequence[torch.Tensor], *,
-                        sink_tokens: int, recent_tokens: int, group_size: int, scale_dtype: torch.dtype,
-                        head_dim: int, progress: bool = True) -> tuple[list[LayerChoice | None], dict | None]:
-    """Keep each stream's narrowed group range (:attr:`GroupLayout.range_clip`) only where the model's loss on the
-    held-back windows says it pays.
-
-    The held-back attention error measures how far each output moves, not which way: narrowing a range saturates a
-    group's extreme tokens, a shift of the same sign for every one of them, and where those tokens are what
-    attention looks for (Gemma 3's first full-attention layer) the error falls while perplexity rises by several
-    percent. So the windows are decoded by the evaluation's chunked protocol (prefill a quarter, chunks of a
-    sixteenth) through the whole calibrated cache, once as fitted and once per narrowed stream with that stream's
-    full range; a stream keeps its narrowed range only if its full range gives a higher loss. Returns the choices
-    and what was measured (None: nothing narrowed)."""
-    from ..cache import OscarCache
-    from ..evaluation import CacheMethod, chunked_perplexity
-
-    streams = [(i, kind) for i, c in enumerate(choices) if c is not None for kind in ("key", "value")
-               if getattr(c, kind).layout.range_clip is not None]
-    if not streams:
-        return list(choices), None
-
-    def widened(drop) -> list[LayerChoice | None]:
-        out = list(choices)
-        for i, kind in drop:
-            c = out[i]
-            cand = getattr(c, kind)
-            full = replace(cand, layout=replace(cand.layout, range_clip=None))
-            size = cand.layout.group_size
-            name = f"{kind}:{cand.name}@None" + ("" if size == min(group_size, head_dim) else f"/g{size}")
-            out[i] = replace(c, **{kind: full, f"{kind}_error": c.errors.get(name, float("nan"))})
-        return out
-
-    def method(name, ch):
-        settings = settings_from_choices(ch, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                         group_size=group_size, scale_dtype=scale_dtype)
-        calibration = calibration_from_choices(ch)
-        return CacheMethod(name, name, lambda cfg: OscarCache(cfg, settings=settings, calibration=calibration))
-
-    variants = {"fitted": list(choices), **{f"{i}:{kind}": widened([(i, kind)]) for i, kind in streams}}
-    windows = torch.stack(list(held_ids)).long()
-    window = windows.shape[1]
-    prefill, chunk = window // 4, max(1, window // 16)
-    names, nll = list(variants), {}
-    for j in range(0, len(names), 4):  # a few caches side by side: memory stays that of ~4 decodes
-        batch = [method(n, variants[n]) for n in names[j:j + 4]]
-        results = chunked_perplexity(model, windows, batch, prefill, chunk, progress=progress)
-        nll.update({n: math.log(r.perplexity) for n, r in results.items()})
-    drop = [(i, kind) for i, kind in streams if nll[f"{i}:{kind}"] < nll["fitted"]]
-    report = {"method": "held-back loss (chunked decode: prefill window/4, chunks window/16) of the calibrated "
-                        "cache as fitted and with each narrowed stream at its full range",
-              "held_back_nll": nll,
-              "kept": [f"{i}:{kind}" for i, kind in streams if (i, kind) not in drop],
-              "widened": [f"{i}:{kind}" for i, kind in drop]}
-    return widened(drop), report
 
 
 def _check_allocation(group_sizes, bits_budget) -> tuple[int, ...] | None:
@@ -176,7 +122,7 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
                         bits_budget: float | str | None = "auto", scale_dtype: torch.dtype = torch.float16,
                         data_description: str = "", model_id: str | None = None, model_revision: str | None = None,
                         progress: bool = True, choices: Sequence[LayerChoice | None] | None = None,
-                        model=None) -> CalibrationResult:
+                        model=None, range_clip_check: Callable | None = None) -> CalibrationResult:
     """Steps 3-4 of a calibration from collected (or saved, :meth:`CalibrationData.load`) statistics: fit every
     calibrated layer (or take ``choices`` fitted before with the same arguments), allocate the group sizes within
     ``bits_budget`` and build the settings and calibration. ``bits_budget``: bits/element of the quantized body
@@ -186,13 +132,14 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
     ``group_size`` everywhere. ``sink_tokens`` / ``recent_tokens`` must be those the statistics were collected
     with.
 
-    ``model`` (the calibrated model; with ``fit_clip`` and statistics that hold their held-back token ids): per-channel
-    groups may also narrow their range (:attr:`GroupLayout.range_clip`), and every stream that does is checked end to
-    end (:func:`confirm_range_clips`): the held-back attention error favours narrowing where the model's loss does not.
-    Without it no range is narrowed."""
+    ``model`` and ``range_clip_check`` (:func:`hf_kvint2.evaluation.confirm_range_clips`, given by the caller:
+    the evaluation's decode loop sits above this package), with ``fit_clip`` and statistics that hold their
+    held-back token ids: per-channel groups may also narrow their range (:attr:`GroupLayout.range_clip`), and every
+    stream that does is checked end to end by ``range_clip_check(choices, model, held_ids, ...)``: the held-back
+    attention error favours narrowing where the model's loss does not. Without them no range is narrowed."""
     sizes = _check_allocation(group_sizes, bits_budget)
     start = time.perf_counter()
-    confirming = model is not None and fit_clip and bool(data.held_ids)
+    confirming = model is not None and range_clip_check is not None and fit_clip and bool(data.held_ids)
     range_grid = DEFAULT_RANGE_CLIP_GRID if confirming else None
     if choices is None:
         choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
@@ -211,7 +158,7 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
                                 "within the mean body bits/element budget (exact knapsack)"}
     confirmation = None
     if confirming:
-        choices, confirmation = confirm_range_clips(
+        choices, confirmation = range_clip_check(
             choices, model, data.held_ids, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
             group_size=group_size, scale_dtype=scale_dtype, head_dim=data.head_dim, progress=progress)
     info = calibration_info(data, choices, config, data_description, model_id, model_revision, layouts=layouts,
@@ -233,7 +180,7 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
                     scale_dtype: torch.dtype = torch.float16, data_description: str | None = None,
                     model_id: str | None = None, model_revision: str | None = None, value_pass: str = "spill",
                     spill_dir: str | None = None, layers: Sequence[int] | None = None,
-                    progress: bool = True) -> CalibrationResult:
+                    range_clip_check: Callable | None = None, progress: bool = True) -> CalibrationResult:
     """Calibrate OSCAR for ``model`` on ``texts`` (what :meth:`hf_kvint2.OscarCache.calibrate` runs; the arguments
     are documented there)."""
     layouts, centering = tuple(layouts), tuple(centering)
@@ -263,7 +210,8 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
         bits_budget=bits_budget, scale_dtype=scale_dtype,
         data_description=data_description or f"{len(texts) if not isinstance(texts, str) else 1} text(s)",
         model_id=model_id, model_revision=model_revision, progress=progress,
-        model=None if distributed else model)  # the end-to-end check decodes with one process's whole model
+        model=None if distributed else model,  # the end-to-end check decodes with one process's whole model
+        range_clip_check=range_clip_check)
     device = next(model.parameters()).device
     result.report.update(seconds=time.perf_counter() - start, seconds_capture=data.info["seconds_capture"],
                          peak_memory_bytes=_peak_memory_bytes(device))
