@@ -217,6 +217,19 @@ def test_determinism_bit_identical_artifact(llama_cache, tokenizer, tmp_path):
     assert digests[0] == digests[1]
 
 
+def _one_window_fit(q, k, v, positions, group, g):
+    """Statistics over k/v (queries drawn from ``g``) and the error probe of one held-back window (sink 8, recent
+    32) for fit_layer."""
+    h, t, d = k.shape
+    probe = LayerErrorProbe([HeldOutLayer(q, k, v, positions, d ** -0.5)], sink=8, recent=32,
+                            scale_dtype=torch.float16)
+    stats = LayerStatistics(h, d)
+    stats.add_pass1(torch.randn(h * group, t, d, generator=g), k, v)
+    stats.finish_pass1()
+    stats.add_pass2(k, v)
+    return stats, probe
+
+
 def test_clip_fitting_beats_no_clipping_on_outliers():
     g = torch.Generator().manual_seed(0)
     h, t, d, group = 2, 512, 16, 2
@@ -226,12 +239,7 @@ def test_clip_fitting_beats_no_clipping_on_outliers():
     k, v = k + spikes * 25.0, v + spikes * 25.0
     positions = torch.arange(320, 512, 4)
     q = torch.randn(h * group, t, d, generator=g)[:, positions]
-    probe = LayerErrorProbe([HeldOutLayer(q, k, v, positions, d ** -0.5)], sink=8, recent=32,
-                            scale_dtype=torch.float16)
-    stats = LayerStatistics(h, d)
-    stats.add_pass1(torch.randn(h * group, t, d, generator=g), k, v)
-    stats.finish_pass1()
-    stats.add_pass2(k, v)
+    stats, probe = _one_window_fit(q, k, v, positions, group, g)
     choice = fit_layer(stats, probe, d, layouts=("hadamard",), centering=(False,))
     for kind, cand, err in (("key", choice.key, choice.key_error), ("value", choice.value, choice.value_error)):
         unclipped = choice.errors[f"{kind}:hadamard@None"]
@@ -250,12 +258,7 @@ def test_range_clip_fitting_narrows_per_channel_groups_with_rare_outliers():
     v = torch.randn(h, t, d, generator=g)
     positions = torch.arange(320, 512, 4)
     q = torch.randn(h * group, t, d, generator=g)[:, positions]
-    probe = LayerErrorProbe([HeldOutLayer(q, k, v, positions, d ** -0.5)], sink=8, recent=32,
-                            scale_dtype=torch.float16)
-    stats = LayerStatistics(h, d)
-    stats.add_pass1(torch.randn(h * group, t, d, generator=g), k, v)
-    stats.finish_pass1()
-    stats.add_pass2(k, v)
+    stats, probe = _one_window_fit(q, k, v, positions, group, g)
     choice = fit_layer(stats, probe, d, layouts=("channel",), centering=(False,), group_size=64,
                        range_clip_grid=DEFAULT_RANGE_CLIP_GRID)
     layout = choice.key.layout
