@@ -29,12 +29,14 @@ import argparse
 import glob
 import importlib
 import importlib.util
-import json
-import platform
 import subprocess
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speedlib import run_meta, write_results
 
 # torch is imported inside the functions, so that --help prints at once.
 
@@ -434,11 +436,10 @@ def main(argv=None) -> dict:
     import triton
     from tqdm.auto import tqdm
 
-    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-              "dry_run": dry, "torch": torch.__version__, "triton": triton.__version__,
-              "transformers": transformers.__version__, "hf_kvint2_from": source, "shapes": shapes,
-              "hbm_bytes_per_s": HBM_BYTES_PER_S, "command": " ".join(["python", *sys.argv])}
-    print(f"device: {result['device']}; torch {torch.__version__}, triton {triton.__version__}, "
+    meta = {**run_meta(os.getloadavg()[0]), "dry_run": dry, "triton": triton.__version__,
+            "transformers": transformers.__version__, "hf_kvint2_from": source}
+    result = {"dry_run": dry, "shapes": shapes, "hbm_bytes_per_s": HBM_BYTES_PER_S}
+    print(f"machine: {meta['machine']}; torch {torch.__version__}, triton {triton.__version__}, "
           f"transformers {transformers.__version__}; hf_kvint2 from {source}")
 
     def over_budget(stage):
@@ -490,7 +491,7 @@ def main(argv=None) -> dict:
             result["end_to_end"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             print(f"  end to end failed: {result['end_to_end']['error']}")
 
-    # Acceptance (issue 5): >= 3x bf16 SDPA at 64k, batch 1, and >= 50% of HBM bandwidth.
+    # The GPU targets: >= 3x bf16 SDPA at 64k, batch 1, and >= 50% of HBM bandwidth.
     target = [r for r in rows if r.get("layout") == "oscar" and r.get("batch") == 1 and r.get("context") == 65536
               and "error" not in r]
     if target:
@@ -503,13 +504,9 @@ def main(argv=None) -> dict:
     result["wall_s"] = time.perf_counter() - start
 
     out_dir = Path(args.out or os.environ.get("OUT") or (ROOT / "benchmarks" / "results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "gpu_dry_run" if dry else "gpu"
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {out_dir / f'{stem}.json'}")
     ok_rows = [r for r in rows if "error" not in r]
-    if ok_rows and plot(ok_rows, out_dir / f"{stem}.png"):
-        print(f"wrote {out_dir / f'{stem}.png'}")
+    write_results(out_dir / ("gpu_dry_run.json" if dry else "gpu.json"), meta, result,
+                  (lambda _, png: plot(ok_rows, png)) if ok_rows else None)
     print(f"done in {result['wall_s']:.0f} s")
     return result
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speedlib import RESULTS, run_meta, write_results
+from speedlib import add_shared_options, ratio_summary, run_meta, write_results
 
 CACHES = ("dynamic", "oscar", "scaled")
 NAMES = {"dynamic": "DynamicCache", "oscar": "OscarCache", "scaled": "OscarScaledCache"}
@@ -57,13 +57,12 @@ def measure(context: int, rounds: int, warmup: int, seed: int) -> list[dict]:
     cpu = interleaved_cpu_steps(runs, rounds, warmup, f"context {context}")
     rows = []
     for kind in CACHES:
-        ratios = [d / c for d, c in zip(cpu["dynamic"], cpu[kind])]
+        summary = ratio_summary(cpu["dynamic"], cpu[kind])
         rows.append({"cache": kind, "context": context, "batch": 1, "rounds": rounds,
                      "cpu_ms_per_step": statistics.median(cpu[kind]) * 1e3,
                      "cpu_ms_all_steps": [t * 1e3 for t in cpu[kind]],
-                     "cpu_speed_vs_dynamic": statistics.median(ratios),
-                     "cpu_speed_vs_dynamic_total": sum(cpu["dynamic"]) / sum(cpu[kind]),
-                     "cpu_speed_vs_dynamic_quartiles": statistics.quantiles(ratios, n=4) if rounds > 1 else ratios})
+                     "cpu_speed_vs_dynamic": summary["median"], "cpu_speed_vs_dynamic_total": summary["total"],
+                     "cpu_speed_vs_dynamic_quartiles": summary["quartiles"]})
     return rows
 
 
@@ -100,8 +99,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=64, help="timed rounds, one step of every cache each (default 64)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds before them (default 3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the K/V fill (default 0)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "decode_interleaved.json",
-                    help="result JSON; a PNG of the same name next to it (default results/decode_interleaved.json)")
+    add_shared_options(ap, out_name="decode_interleaved.json", threads_default=None)
     args = ap.parse_args()
     from speedlib import set_threads
 

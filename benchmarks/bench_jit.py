@@ -6,7 +6,7 @@ with attention "oscar" prefills 400 tokens (past both caches' windows), then dec
 decode step that reads INT2 codes (it compiles or loads the kernel), the steady step, and the difference (the
 first-call cost), in wall and CPU time (CPU time is less disturbed by a shared machine). One thread.
 
-    python benchmarks/bench_jit.py                 # -> results/jit_cpu.json
+    python benchmarks/bench_jit.py                 # -> results/jit_cpu.{json,png}
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speedlib import add_shared_options, run_meta, run_worker, worker_env, write_results
+
+KINDS = ("oscar", "scaled")
+NAMES = {"oscar": "OscarCache", "scaled": "OscarScaledCache"}
 
 
 def worker(kind: str) -> dict:
@@ -51,26 +54,40 @@ def worker(kind: str) -> dict:
     return {"cache": kind, "load_s": load_s, "step_s": steps, "cpu_step_s": cpu}
 
 
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, state in enumerate(("cold", "warm")):
+        rows = {r["cache"]: r for r in results if r["state"] == state}
+        ax.bar([k + (i - 0.5) * 0.4 for k in range(len(KINDS))], [rows[k]["first_call_cost_cpu_s"] for k in KINDS],
+               0.4, label=f"{state} Numba cache")
+    ax.set_xticks(range(len(KINDS)), [NAMES[k] for k in KINDS])
+    ax.set_ylabel("first fused step minus a steady one, CPU s")
+    ax.set_title("First-call cost of the CPU kernel (benchmarks/bench_jit.py)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=RESULTS / "jit_cpu.json",
-                    help="result JSON (default results/jit_cpu.json)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    add_shared_options(ap, out_name="jit_cpu.json", threads_default=None, worker_metavar=("CACHE",))
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker)))
+        print(json.dumps(worker(args.worker[0])))
         return
     results = []
     load = os.getloadavg()[0]
-    for kind in ("oscar", "scaled"):
-        with tempfile.TemporaryDirectory() as cache_dir:
-            env = {**os.environ, "NUMBA_CACHE_DIR": cache_dir, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    for kind in KINDS:
+        with tempfile.TemporaryDirectory() as cache_dir:  # "cold": an empty Numba cache; "warm": the same, filled
+            env = worker_env(1, omp=True, NUMBA_CACHE_DIR=cache_dir)
             for state in ("cold", "warm"):
-                proc = subprocess.run([sys.executable, __file__, "--worker", kind], capture_output=True, text=True,
-                                      check=False, env=env)
-                if proc.returncode:
-                    raise RuntimeError(f"{kind} {state} failed:\n{proc.stderr[-3000:]}")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                row = run_worker(__file__, [kind], {}, env, f"{kind} {state}")
                 # the prefill switched the layers to "oscar" (it ran SDPA on the chunk): decode step 0 is the first
                 # that runs the kernel; steps 1-3 are steady.
                 steady = min(row["step_s"][1:])
@@ -83,15 +100,9 @@ def main() -> None:
                       f"{steady:.3f} s -> first-call cost {row['first_call_cost_s']:.2f} s wall, "
                       f"{row['first_call_cost_cpu_s']:.2f} s CPU")
     import numba
-    import torch
 
-    meta = {"model": "SmolLM2-135M-Instruct fp32", "threads": 1, "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "numba": numba.__version__,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_average_at_start": load,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"wrote {args.out}")
+    meta = {"model": "SmolLM2-135M-Instruct fp32", "threads": 1, "numba": numba.__version__, **run_meta(load)}
+    write_results(args.out, meta, results, plot)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from speedlib import (
     RESULTS,
     add_shared_options,
     add_step_options,
+    ratio_summary,
     run_meta,
     run_worker,
     worker_env,
@@ -166,10 +167,10 @@ def interleaved_worker(caches: list[str], budget: int, context: int, rounds: int
         row.update({"allocated_bytes_after_steps": cache_bytes(run["cache"]), "rounds": rounds, "cpu_s_all": cpu[kind],
                     "cpu_tokens_per_s": batch / statistics.median(cpu[kind]), "threads": torch.get_num_threads()})
         if "dynamic" in runs:
-            ratios = [(batch / c) / (base["batch"] / d) for c, d in zip(cpu[kind], cpu["dynamic"])]
-            row["cpu_throughput_vs_dynamic"] = statistics.median(ratios)
-            row["cpu_throughput_vs_dynamic_quartiles"] = statistics.quantiles(ratios, n=4) if rounds > 1 else ratios
-            row["cpu_throughput_vs_dynamic_total"] = (batch / sum(cpu[kind])) / (base["batch"] / sum(cpu["dynamic"]))
+            summary = ratio_summary(cpu["dynamic"], cpu[kind], work=batch, baseline_work=base["batch"])
+            row["cpu_throughput_vs_dynamic"] = summary["median"]
+            row["cpu_throughput_vs_dynamic_quartiles"] = summary["quartiles"]
+            row["cpu_throughput_vs_dynamic_total"] = summary["total"]
             row["batch_vs_dynamic"] = batch / base["batch"]
     return {"rows": [rows[kind] for kind in caches]}
 

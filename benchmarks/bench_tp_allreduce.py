@@ -25,13 +25,16 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-# torch is imported inside the functions, so that --help prints at once.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).parent / "results"
+from speedlib import add_shared_options, run_meta, write_results
+
+# torch is imported inside the functions, so that --help prints at once.
 
 
 def _free_port() -> int:
@@ -215,8 +218,7 @@ def _plot(result: dict, path: Path) -> None:
         ax2.text(i, model["ms_per_token"][n], f"{model['ratio_vs_dynamic'][n]:.2f}x", ha="center", va="bottom")
     ax2.set_ylabel("ms per generated token (best of runs)")
     ax2.set_title(f"Tiny Llama, tp_plan='auto', 2 ranks, context {model['context']}")
-    fig.suptitle(f"OScaR norm all-reduce under tensor parallelism (1-min load average during the run: "
-                 f"{result['setup']['load_average_1m']:.1f} on {result['setup']['cpu_count']} CPUs)", fontsize=9)
+    fig.suptitle("OScaR norm all-reduce under tensor parallelism (benchmarks/bench_tp_allreduce.py)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -234,12 +236,12 @@ def main() -> None:
                         help="tokens generated per timed run of the tiny model (default 33)")
     parser.add_argument("--repeats", type=int, default=7, help="repetitions of each timing; best and median "
                         "are reported (default 7)")
-    parser.add_argument("--out", default=str(RESULTS / "tp_allreduce"),
-                        help="output path prefix for .json and .png (default benchmarks/results/tp_allreduce)")
+    add_shared_options(parser, out_name="tp_allreduce.json", threads_default=None)
     args = parser.parse_args()
     import torch
     import torch.multiprocessing as mp
 
+    load = os.getloadavg()[0]
     world = 2
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -252,19 +254,14 @@ def main() -> None:
         raw = os.path.join(tmp, "result.json")
         mp.spawn(_worker, args=(world, _free_port(), tmp, args, raw), nprocs=world, join=True)
         result = json.loads(Path(raw).read_text())
-    result["setup"] = {"world_size": world, "backend": "gloo", "device": "cpu", "torch": torch.__version__,
-                       "threads_per_rank": 1, "cpu_count": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
-                       **vars(args)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    _plot(result, out.with_suffix(".png"))
+    setup = {"world_size": world, "backend": "gloo", "device": "cpu", "threads_per_rank": 1,
+             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    write_results(args.out, {**run_meta(load), **setup}, result, _plot)
     print(json.dumps({k: result[k] for k in ("collective", "model")}, indent=2))
     for r in result["layers"]:
         print(f"{r['layout']:<50} batch {r['batch']}: {r['step_ms_local_norm']:.2f} -> {r['step_ms_all_reduce']:.2f} "
               f"ms/step (measured {r['measured_overhead_ms_per_step']:+.2f} ms; {r['collectives_per_step']:g} "
               f"collectives/step x best latency = {r['estimated_overhead_ms_per_step']:.3f} ms)")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

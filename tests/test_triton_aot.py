@@ -267,6 +267,8 @@ def test_bench_gpu_dry_run_end_to_end(tmp_path):
     spec.loader.exec_module(bench)
     result = bench.main(["--dry-run", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu_dry_run.json").read_text())
+    assert saved["meta"]["dry_run"] and saved["meta"]["machine"]
+    saved = saved["results"]
     assert saved["dry_run"] and all(r["ok"] for r in saved["correctness"].values())
     assert saved["attention"] and not [r for r in saved["attention"] if "error" in r]
     assert "tuning" in saved and saved["end_to_end"]["runs"] and "roofline" in saved

@@ -1,20 +1,24 @@
-"""Helpers shared by the CPU speed benchmarks (bench_decode, bench_throughput, bench_prefill, profile_decode).
+"""The one harness of the speed benchmarks (bench_decode, bench_interleaved, bench_prefill, bench_threads,
+bench_throughput, bench_jit, bench_gpu, bench_tp_allreduce, profile_decode): how they take arguments, run cases in
+worker processes, interleave what they compare, and write their results.
 
-* :func:`load_model`: the bundled SmolLM2-135M, or ``"synthetic"``: a Llama with SmolLM2-135M's shapes (30 layers,
-  hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152) and random weights, with
-  ``max_position_embeddings=32768`` so that a 32k context is valid (speed only: quality is not measured with it).
-  :func:`synthetic_config` is its config (with overrides, e.g. one layer).
-* :func:`make_cache`, :func:`fill_cache`: the caches compared, filled with random K/V (layer 0 in chunks, copied to
-  every layer), which is what decode speed depends on; a real 8k x batch prefill takes many minutes on 2 cores.
-* :func:`cache_bytes`: bytes of every tensor a cache holds (storages counted once, whole allocations), found by
-  walking the cache object: the same measure for every cache class, including transformers' own.
-* :func:`add_shared_options`, :func:`add_step_options`: the command-line options the benchmarks share, spelled and
-  documented the same way in each.
-* :func:`worker_env`, :func:`run_worker`: one case per fresh subprocess (its peak RSS and thread settings are its own).
-* :func:`time_decode_steps`: the timed decode loop (wall and process CPU time per step).
-* :func:`run_meta`, :func:`write_results`: what every result JSON records about the run, and writing JSON + PNG.
+* Arguments: :func:`add_shared_options` (``--model``, ``--threads``, ``--out`` and the hidden ``--worker``),
+  :func:`add_step_options` (``--steps``, ``--warmup``): the same names, defaults and help in every script.
+* Worker processes: :func:`worker_env`, :func:`run_worker`: one case per fresh interpreter, so that its peak RSS,
+  compiled kernels and thread pools are its own; the worker prints one JSON row, which the parent collects.
+* Interleaving: :func:`interleaved_rounds` calls every compared variant once per round, back to back, so that a
+  noisy host's drift reaches all of them alike; :func:`interleaved_cpu_steps` does it for decode steps, and
+  :func:`ratio_summary` reduces per-round times to the ratios the results report (total, median, quartiles).
+* Output: :func:`run_meta` (machine, versions, command, date and load of the run), :func:`write_results` (JSON and
+  a PNG of the same name).
+* Models and caches: :func:`load_model` (the bundled SmolLM2-135M, or ``"synthetic"``: a Llama with its shapes and
+  random weights with ``max_position_embeddings=32768``, for contexts past 8192; :func:`synthetic_config`),
+  :func:`make_cache`, :func:`fill_cache` (random K/V: decode speed does not depend on the values, and a real 8k x
+  batch prefill takes many minutes on 2 cores), :func:`cache_bytes` (every tensor storage a cache holds, the same
+  measure for every cache class), :func:`time_decode_steps`.
 
-torch is imported inside the functions, so that a script importing this module still prints ``--help`` at once.
+Only the standard library is imported at module level, so that every script prints ``--help`` at once and
+bench_gpu can import it before it has made torch and Triton importable.
 """
 
 from __future__ import annotations
@@ -181,39 +185,72 @@ def time_decode_steps(model, cache, tokens, warmup: int, steps: int) -> tuple[li
     return times, cpu_times
 
 
-def interleaved_cpu_steps(runs: dict, rounds: int, warmup: int, desc: str) -> dict[str, list[float]]:
-    """One greedy decode step of every run per round, back to back (``runs``: name -> ``{"model", "cache",
-    "tokens"}``; ``tokens`` is advanced in place): ``warmup`` untimed rounds, then ``rounds`` timed ones. Returns each
-    run's process CPU seconds per timed step. A round's steps are taken within seconds of each other, so the host's
-    drift hits every run alike (the ratio a noisy machine moves least)."""
-    import torch
+def interleaved_rounds(calls: dict, rounds: int, warmup: int, clock=time.process_time, desc: str | None = None,
+                       before=None) -> dict:
+    """Call every entry of ``calls`` (name -> a function of no arguments) once per round, in order: ``warmup``
+    untimed rounds, then ``rounds`` timed ones; ``before(name)``, if given, runs untimed before each call (e.g. a
+    thread count to set). Returns each name's seconds per timed call by ``clock`` (process CPU time by default: with
+    one thread it is the time the call needs, and the host's load inflates it less than wall time). A round's calls
+    run within moments of each other, so the host's drift reaches every variant alike: the ratios a noisy machine
+    moves least."""
     from tqdm import tqdm
 
-    cpu = {name: [] for name in runs}
+    times = {name: [] for name in calls}
+    for r in tqdm(range(warmup + rounds), desc=desc, leave=False, disable=desc is None):
+        for name, call in calls.items():
+            if before is not None:
+                before(name)
+            t0 = clock()
+            call()
+            if r >= warmup:
+                times[name].append(clock() - t0)
+    return times
+
+
+def interleaved_cpu_steps(runs: dict, rounds: int, warmup: int, desc: str) -> dict[str, list[float]]:
+    """:func:`interleaved_rounds` of greedy decode steps (``runs``: name -> ``{"model", "cache", "tokens"}``;
+    ``tokens`` is advanced in place). Returns each run's process CPU seconds per timed step."""
+    import torch
+
+    def step(run):
+        def call():
+            logits = run["model"](input_ids=run["tokens"], past_key_values=run["cache"], use_cache=True).logits
+            run["tokens"] = logits[:, -1:].argmax(-1)
+        return call
+
     with torch.no_grad():
-        for r in tqdm(range(warmup + rounds), desc=desc, leave=False):
-            for name, run in runs.items():
-                c0 = time.process_time()
-                logits = run["model"](input_ids=run["tokens"], past_key_values=run["cache"], use_cache=True).logits
-                run["tokens"] = logits[:, -1:].argmax(-1)
-                if r >= warmup:
-                    cpu[name].append(time.process_time() - c0)
-    return cpu
+        return interleaved_rounds({name: step(run) for name, run in runs.items()}, rounds, warmup, desc=desc)
 
 
-def add_shared_options(ap: argparse.ArgumentParser, *, out_name: str, model_default: str, threads_default: int,
-                       worker_metavar: tuple[str, ...]) -> None:
-    """``--model``, ``--threads``, ``--out`` (under benchmarks/results by default) and the hidden ``--worker`` by which
-    the parent hands one case to a subprocess: the same names, choices and help in every speed benchmark."""
-    ap.add_argument("--model", default=model_default, choices=MODELS,
-                    help="smollm2: the bundled SmolLM2-135M; synthetic: a Llama with its shapes, random weights and "
-                         f"32k positions, for contexts past 8192 (default {model_default})")
-    ap.add_argument("--threads", type=int, default=threads_default,
-                    help="intra-op threads, torch and Numba; 0: torch's default; on a shared machine use 1 "
-                         f"(default {threads_default})")
+def ratio_summary(baseline: list[float], times: list[float], work: float = 1.0, baseline_work: float = 1.0) -> dict:
+    """How much faster ``times`` are than ``baseline`` (seconds per round of the same rounds; ``work``: what one call
+    does, e.g. the tokens of a batch): ``total``, the ratio of the rates over all rounds (the headline: a cache that
+    pays for a demotion in one step of 16 is charged for it), and the ``median`` and ``quartiles`` of the per-round
+    ratios."""
+    import statistics
+
+    ratios = [(work / t) / (baseline_work / b) for b, t in zip(baseline, times)]
+    return {"total": (work / sum(times)) / (baseline_work / sum(baseline)), "median": statistics.median(ratios),
+            "quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios}
+
+
+def add_shared_options(ap: argparse.ArgumentParser, *, out_name: str, model_default: str | None = None,
+                       threads_default: int | None = 1, worker_metavar: tuple[str, ...] | None = None) -> None:
+    """``--out`` (under benchmarks/results by default), and where the script has them ``--model``, ``--threads``
+    (``threads_default`` None: a script that fixes its thread counts) and the hidden ``--worker`` by which the parent
+    hands one case to a worker process: the same names, choices and help in every speed benchmark."""
+    if model_default is not None:
+        ap.add_argument("--model", default=model_default, choices=MODELS,
+                        help="smollm2: the bundled SmolLM2-135M; synthetic: a Llama with its shapes, random weights "
+                             f"and 32k positions, for contexts past 8192 (default {model_default})")
+    if threads_default is not None:
+        ap.add_argument("--threads", type=int, default=threads_default,
+                        help="intra-op threads, torch and Numba; 0: torch's default; on a shared machine use 1 "
+                             f"(default {threads_default})")
     ap.add_argument("--out", type=Path, default=RESULTS / out_name,
                     help=f"result JSON; a PNG of the same name next to it (default results/{out_name})")
-    ap.add_argument("--worker", nargs=len(worker_metavar), metavar=worker_metavar, help=argparse.SUPPRESS)
+    if worker_metavar:
+        ap.add_argument("--worker", nargs=len(worker_metavar), metavar=worker_metavar, help=argparse.SUPPRESS)
 
 
 def add_step_options(ap: argparse.ArgumentParser, *, steps: int, warmup: int) -> None:
@@ -223,13 +260,16 @@ def add_step_options(ap: argparse.ArgumentParser, *, steps: int, warmup: int) ->
     ap.add_argument("--warmup", type=int, default=warmup, help=f"untimed decode steps before them (default {warmup})")
 
 
-def worker_env(threads: int, *, omp: bool) -> dict[str, str]:
-    """The environment of a case's subprocess. Numba reads NUMBA_NUM_THREADS only when it is imported, so the count
-    must be set before the worker starts (torch's is set inside it by :func:`set_threads`); with ``omp``,
-    OMP_NUM_THREADS too. ``threads`` 0 leaves both at their defaults."""
-    if not threads:
-        return dict(os.environ)
-    return {**os.environ, "NUMBA_NUM_THREADS": str(threads), **({"OMP_NUM_THREADS": str(threads)} if omp else {})}
+def worker_env(threads: int, *, omp: bool, **extra: str) -> dict[str, str]:
+    """The environment of a case's worker process. Numba reads NUMBA_NUM_THREADS only when it is imported, so the
+    count must be set before the worker starts (torch's is set inside it by :func:`set_threads`); with ``omp``,
+    OMP_NUM_THREADS too. ``threads`` 0 leaves both at their defaults. ``extra``: more variables (NUMBA_CACHE_DIR)."""
+    env = dict(os.environ, **extra)
+    if threads:
+        env["NUMBA_NUM_THREADS"] = str(threads)
+        if omp:
+            env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str], label: str) -> dict:
@@ -245,21 +285,46 @@ def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def machine() -> str:
+    """The machine a result was measured on, as the docs quote it: the CPU's model name, its cores and widest vector
+    instruction set (AVX512 or AVX2: the Numba kernel's speed depends on it), and the GPU where torch sees one."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:  # not Linux: platform's name only
+        pass
+    isa = "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    parts = [name, f"{os.cpu_count()} cores", *([isa] if isa else [])]
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        parts.append(sys.modules["torch"].cuda.get_device_name())
+    return ", ".join(parts)
+
+
 def run_meta(load_average_at_start: float) -> dict:
     """The run's context every result JSON records: machine, torch version, the command, the date, and the load
     average at start and at end (on a shared machine it says how far the timings can be trusted)."""
     import torch
 
-    return {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+    return {"machine": machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "load_average_at_start": load_average_at_start, "load_average_at_end": os.getloadavg()[0],
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
-def write_results(out: Path, meta: dict, results: list[dict], plot) -> None:
-    """``{"meta", "results"}`` to ``out`` and ``plot(results, png)`` to the PNG of the same name next to it."""
+def write_results(out: Path, meta: dict, results, plot=None) -> None:
+    """``{"meta", "results"}`` to ``out`` and, given ``plot``, ``plot(results, png)`` to the PNG of the same name
+    next to it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if plot is None:
+        print(f"wrote {out}")
+        return
     png = out.with_suffix(".png")
     plot(results, png)
     print(f"wrote {out} and {png}")
