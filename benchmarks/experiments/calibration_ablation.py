@@ -1,14 +1,14 @@
 """Calibrated per-layer layout choice vs each single layout on every layer: does the per-layer choice pay off?
 
-    python benchmarks/calibration_ablation.py            # SmolLM2-135M, calibrate on Pride and Prejudice, eval on Emma
-    python benchmarks/calibration_ablation.py --quick    # tiny random model, whole pipeline in seconds
+    python benchmarks/experiments/calibration_ablation.py            # SmolLM2-135M, calibrate on Pride and Prejudice, eval on Emma
+    python benchmarks/experiments/calibration_ablation.py --quick    # tiny random model, whole pipeline in seconds
     python calibration_scripts/calibrate_oscar.py --text hf_kvint2/data/prideprejudice.txt --output DIR \
-        --save-statistics STATS && python benchmarks/calibration_ablation.py --statistics STATS --artifact DIR
+        --save-statistics STATS && python benchmarks/experiments/calibration_ablation.py --statistics STATS --artifact DIR
 
 One calibration pass (statistics + held-back windows) feeds every variant; the variants differ only in the
 candidates the per-layer fit may choose from. All are evaluated side by side with the evaluation protocol of
 ``hf_kvint2.evaluation.chunked_perplexity`` (windows of 2048 tokens, prefill 512, chunks of 32, every chunk-phase
-token scored, 8 windows of Emma). Writes benchmarks/results/calibration_ablation.{json,png}.
+token scored, 8 windows of Emma). Writes benchmarks/experiments/results/calibration_ablation.{json,png}.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def parse_args():
                    help="the calibrated artifact written by calibrate_oscar.py from the same statistics: its row "
                         "is loaded with OscarCache.from_pretrained, after checking it equals the re-fit")
     p.add_argument("--out", default=str(RESULTS / "calibration_ablation"),
-                   help="output path prefix for .json and .png (default benchmarks/results/calibration_ablation)")
+                   help="output path prefix for .json and .png (default benchmarks/experiments/results/calibration_ablation)")
     return p.parse_args()
 
 

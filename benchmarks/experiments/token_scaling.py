@@ -2,8 +2,8 @@
 Hadamard, against KIVI-2 with and without it (why OScaR trailed KIVI-2 on Gemma 3; docs/results.md, "OScaR's
 token scaling in the model basis").
 
-    python benchmarks/token_scaling.py --model gemma3 --windows 4
-    python benchmarks/token_scaling.py --model smollm2 --windows 8 --variants fp,oscar_scaled,oscar_scaled_no_ts,kivi2_sink64,kivi2_sink64_ts
+    python benchmarks/experiments/token_scaling.py --model gemma3 --windows 4
+    python benchmarks/experiments/token_scaling.py --model smollm2 --windows 8 --variants fp,oscar_scaled,oscar_scaled_no_ts,kivi2_sink64,kivi2_sink64_ts
 
 Same protocol as benchmarks/quality.py (Emma, windows of 2048 tokens, prefill 512, chunks of 32, SDPA, fp32); all
 variants side by side in one batch (hf_kvint2.evaluation.chunked_perplexity). Variants:
@@ -18,7 +18,7 @@ variants side by side in one batch (hf_kvint2.evaluation.chunked_perplexity). Va
 * ``kivi2`` / ``kivi2_ts``: KIVI-2 on this engine without / with the token norm on keys; ``kivi2_value_hadamard``;
   ``kivi2_sink64`` / ``kivi2_sink64_ts``: the same with OScaR's 64-token full-precision sink
 
-Writes benchmarks/results/token_scaling_<model>.json (perplexity per variant and per window, commands).
+Writes benchmarks/experiments/results/token_scaling_<model>.json (perplexity per variant and per window, commands).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=4, help="evaluation windows of Emma (default 4)")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated; 'fp' first (the baseline)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/token_scaling_<model>.json)")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/experiments/results/token_scaling_<model>.json)")
     args = p.parse_args(argv)
 
     import torch
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     results = chunked_perplexity(model, windows, methods, 512, 32)
     base = results["fp"].perplexity
     out = {
-        "command": "python benchmarks/token_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/experiments/token_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model, "protocol": {"text": EVAL_TEXT, "windows": args.windows, "window": 2048, "prefill": 512,
                                           "chunk": 32, "dtype": "float32", "attention": "sdpa"},
         "started": started,

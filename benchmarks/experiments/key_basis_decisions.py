@@ -6,8 +6,8 @@ ranges (``hf_kvint2.key_basis.range_spread``) exceeds ``RANGE_SPREAD_LIMIT``. Th
 several Emma windows through ``OscarScaledCache()`` and ``OscarCache()`` with every layer quantized and records,
 per layer, the spread and the choice.
 
-    .venv/bin/python benchmarks/key_basis_decisions.py --model smollm2
-    .venv/bin/python benchmarks/key_basis_decisions.py --model gemma3
+    .venv/bin/python benchmarks/experiments/key_basis_decisions.py --model smollm2
+    .venv/bin/python benchmarks/experiments/key_basis_decisions.py --model gemma3
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=2048, help="tokens per window")
     p.add_argument("--prefill", type=int, default=512, help="tokens of the first forward (its demotion decides)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", default=None, help="default benchmarks/results/key_basis_<model>.json")
+    p.add_argument("--out", default=None, help="default benchmarks/experiments/results/key_basis_<model>.json")
     return p
 
 

@@ -12,8 +12,8 @@ precision), and the layer's attention output for the probe queries is compared w
 * ``mass``: the share of the probe queries' attention (full precision) on the sink, the INT2 body, the recent
   window and the current chunk: the body's share is what the quantization error is multiplied by.
 
-    .venv/bin/python benchmarks/long_context_errors.py --model gemma3 --lengths 2048,8192,16384,32768
-    .venv/bin/python benchmarks/long_context_errors.py --model smollm2 --lengths 2048,8192
+    .venv/bin/python benchmarks/experiments/long_context_errors.py --model gemma3 --lengths 2048,8192,16384,32768
+    .venv/bin/python benchmarks/experiments/long_context_errors.py --model smollm2 --lengths 2048,8192
 
 Writes <out>.json and <out>.png.
 """
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=2048, help="tokens per full-precision forward between probes")
     p.add_argument("--offset", type=int, default=0, help="first token of the Emma window")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--out", default=None, help="output prefix (default benchmarks/results/long_context_<model>)")
+    p.add_argument("--out", default=None, help="output prefix (default benchmarks/experiments/results/long_context_<model>)")
     return p
 
 
@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
                       f"both {err['both']:.2e}  body mass {mass[1]:.3f}")
     result = {"model": args.model, "calibration": source, "lengths": lengths, "probe": args.probe,
               "full_attention_layers": full, "rows": rows,
-              "run": {"command": "python benchmarks/long_context_errors.py " + " ".join(sys.argv[1:] if argv is None
+              "run": {"command": "python benchmarks/experiments/long_context_errors.py " + " ".join(sys.argv[1:] if argv is None
                                                                                            else argv),
                       "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "torch": torch.__version__,
                       "platform": platform.platform(), "threads": args.threads,

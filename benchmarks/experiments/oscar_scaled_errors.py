@@ -12,10 +12,10 @@ the layer's K/V (dequantized body + full-precision windows + the chunk itself, c
 * ``error_after_o_proj``: the same after the layer's output projection (what the residual stream sees);
 * ``memory``: the bytes the layer holds at the end of the window.
 
-    .venv/bin/python benchmarks/oscar_scaled_errors.py --model gemma3 --windows 4
-    .venv/bin/python benchmarks/oscar_scaled_errors.py --model smollm2 --long --windows 2 --every 4
+    .venv/bin/python benchmarks/experiments/oscar_scaled_errors.py --model gemma3 --windows 4
+    .venv/bin/python benchmarks/experiments/oscar_scaled_errors.py --model smollm2 --long --windows 2 --every 4
 
-Writes benchmarks/results/oscar_scaled_errors_<model>[_long].json.
+Writes benchmarks/experiments/results/oscar_scaled_errors_<model>[_long].json.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default=None, help="comma-separated subset of the full-attention layers")
     p.add_argument("--capture", default=None, help="file for the captured Q/K/V (default /tmp/<name>.pt)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--out", default=None, help="output JSON (default benchmarks/results/oscar_scaled_errors_<model>[_long].json)")
+    p.add_argument("--out", default=None, help="output JSON (default benchmarks/experiments/results/oscar_scaled_errors_<model>[_long].json)")
     return p
 
 
@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
                           for field, suffix in (("error", ""), ("error_after_o_proj", "_after_o_proj"))}
     result = {"model": args.model, "long": args.long, "windows": args.windows, "window": window, "prefill": prefill,
               "chunk": chunk, "every": args.every, "layers": full, "rows": rows, "mean_over_layers": summary,
-              "run": {"command": "python benchmarks/oscar_scaled_errors.py " + " ".join(sys.argv[1:] if argv is None
+              "run": {"command": "python benchmarks/experiments/oscar_scaled_errors.py " + " ".join(sys.argv[1:] if argv is None
                                                                                           else argv),
                       "torch": torch.__version__, "capture_seconds": capture_seconds,
                       "seconds": time.time() - t0}}
