@@ -160,8 +160,8 @@ def print_report(rows: list[dict], prompt_tokens: int, reference_tokens: int, dt
     import textwrap
 
     baseline = rows[0]
-    print(f"\nKV cache after storing the prompt ({prompt_tokens - 1} tokens; generate feeds the last one) in "
-          f"SmolLM2-135M (30 layers, 3 KV heads of 64 channels, {dtype_bits}-bit K/V):\n")
+    print(f"\nKV cache after storing the prompt ({prompt_tokens - 1} tokens; generate feeds the last one),\n"
+          f"SmolLM2-135M: 30 layers, 3 KV heads of 64 channels, {dtype_bits}-bit K/V:\n")
     print(f"{'cache':<18}{'KV memory':>11}{'bits/element':>14}{'smaller':>9}{'perplexity':>12}{'time':>8}")
     for row in rows:
         print(f"{row['name']:<18}{row['bytes'] / 2**20:>7.1f} MiB{row['bits']:>14.2f}"
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         model.to("cuda")
     prompt, reference = (t.to(model.device) for t in austen_context(tokenizer, args.context_tokens,
                                                                      args.reference_tokens))
-    print(f"Prompt: the first {prompt.shape[1]} tokens of Jane Austen's Emma, ending:\n"
-          f"  ...{tokenizer.decode(prompt[0, -40:]).strip()!r}")
+    tail = " ".join(tokenizer.decode(prompt[0, -40:]).split())
+    print(f"Prompt: the first {prompt.shape[1]} tokens of Jane Austen's Emma, ending:\n  ... {tail}")
 
     caches = [("DynamicCache", DynamicCache()), ("OscarScaledCache", OscarScaledCache()),
               ("OscarCache", make_oscar_cache(model))]
