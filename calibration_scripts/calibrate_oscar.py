@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="also upload the artifact to this repo")
     p.add_argument("--save-statistics", metavar="FILE", default=None,
                    help="also write the raw calibration statistics and held-back activations (safetensors), e.g. "
-                        "for benchmarks/calibration_ablation.py --statistics FILE")
+                        "for benchmarks/experiments/calibration_ablation.py --statistics FILE")
     return p.parse_args(argv)
 
 

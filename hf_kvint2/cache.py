@@ -276,7 +276,7 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
     @classmethod
     def calibrate(cls, model, tokenizer, texts, num_tokens: int = 30000, text_window: int = 2048, *,
                   verbose: bool = True, **kwargs) -> OscarCache:
-        """Calibrate OSCAR for ``model`` on ``texts`` (SPEC 3) and return a ready cache: spectral rotations,
+        """Calibrate OSCAR for ``model`` on ``texts`` and return a ready cache: spectral rotations,
         means, clip ratios and a per-layer layout chosen by measured attention-output error (and, given
         ``range_clip_check=hf_kvint2.evaluation.confirm_range_clips`` as ``calibrate_oscar.py`` does, narrowed
         ranges of per-channel groups where the model's loss on the held-back windows confirms them). Two streaming passes

@@ -37,10 +37,9 @@ from .read_path import mask_to_additive
 
 # Split-K (cpu_kernels.split_tokens): the body's tokens are split so that a step has work for every thread the kernel
 # runs with, no split under SPLIT_MIN_TOKENS tokens, and no split for more query rows per KV head than
-# SPLIT_MAX_ROWS. A split has a fixed cost (measured as ~16 us per (row, KV head) at head_dim 64 and ~70 us at 256,
-# about as much as 300 body tokens at either, when the values were summed into per-byte buckets that every split
-# expanded; less since: a split's value partial is now rows x head_dim floats), so there are as few splits as keep
-# the threads busy: on one thread none. split_tokens caches its answers, so these are read once per argument tuple.
+# SPLIT_MAX_ROWS. A split has a fixed cost (its partial's set-up and merge; SPLIT_COST_TOKENS counts it as 300 body
+# tokens, an upper estimate), so there are as few splits as keep the threads busy: on one thread none. split_tokens
+# caches its answers, so these are read once per argument tuple.
 SPLIT_COST_TOKENS = 300
 SPLIT_MIN_TOKENS = 2048
 SPLIT_MAX_ROWS = 64
@@ -346,7 +345,7 @@ if _NUMBA:
         # are its d4 bytes at codes[t * d4], unpacked in vector registers. The
         # products of a token's codes with q_r are summed across lanes for `block` tokens at once (folding pairs of
         # vectors: 3 operations per token instead of a horizontal sum's 2 log2(width)). LLVM vector IR: Numba's loops
-        # do not vectorize with the token in a lane (see the fifteenth speed run in docs/results.md).
+        # do not vectorize with the token in a lane (it cannot prove the output and the codes apart).
         if not all(isinstance(x, _nb_types.IntegerLiteral) for x in (d4, width, block)) or \
                 not isinstance(rows, _nb_types.Integer):
             return None

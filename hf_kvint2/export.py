@@ -1,4 +1,4 @@
-"""Export a decoder LM with a static INT2 Oscar cache: ``torch.export``, ``torch.compile``, ONNX Runtime (issue 6).
+"""Export a decoder LM with a static INT2 Oscar cache: ``torch.export``, ``torch.compile``, ONNX Runtime.
 
 Shaped like transformers' ``TorchExportableModuleWithStaticCache`` (``transformers.integrations.executorch``), so
 pipelines built on it (optimum-executorch, optimum-onnx) can adopt it:

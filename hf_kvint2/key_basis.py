@@ -1,4 +1,4 @@
-"""Uncalibrated keys whose channels vary very unevenly keep the model's basis (issues 18 and 15).
+"""Uncalibrated keys whose channels vary very unevenly keep the model's basis.
 
 A quantized key costs the logit error ``q . (k_hat - k)``, so where the error lies matters as much as its size.
 Per-channel groups give every channel its own scale: a Hadamard rotation before them only redistributes range
@@ -15,13 +15,13 @@ Without the queries at hand (data-free), the first tokens a layer quantizes deci
   :data:`CHANNEL_ERROR_LIMIT`), then without OScaR's omni-token scaling (measured on Gemma 3's full-attention
   layers, the keys this applies to: perplexity +2.5% without it, +4.9% with it, at 2k; in that basis a key's norm
   is mostly its few high-range channels', and dividing every channel by it presumably adds their fluctuation to
-  the low-range channels the queries read; docs/results.md, "OScaR's token scaling in the model basis"). The error
+  the low-range channels the queries read; docs/design.md, "Why the defaults"). The error
   is counted per channel in units of that channel's variance over the tokens, since the queries may read any
   channel: a sum of squared errors would be rotation-invariant and cannot tell the bases apart. Measured on the
   first 32-384 demoted keys: Gemma 3 full-attention layers 0.018-0.042, SmolLM2 0.155-0.88
-  (benchmarks/oscar_scaled_errors.py, issue 15: the older range spread left Gemma's layer 17, spread 1.96, in the
-  Hadamard basis, at 9x the key error of its model basis, while SmolLM2's layer 18, spread 2.2-2.3, is better off
-  rotated);
+  (benchmarks/experiments/oscar_scaled_errors.py; the range spread cannot make this call: Gemma's layer 17, spread
+  1.96, has 9x the key error in the Hadamard basis that it has in its own, while SmolLM2's layer 18, spread 2.2-2.3, is
+  better off rotated);
 * per-token keys (uncalibrated OSCAR): the spread of the per-channel ranges (:func:`range_spread` over
   :data:`RANGE_SPREAD_LIMIT`) switches them to per-channel groups in the model's basis.
 
@@ -42,7 +42,7 @@ from .stream import StreamCodec
 # Uncalibrated key streams keep the model's channel basis (with per-channel groups) when the Hadamard would raise
 # the typical channel's quantization range this much: rms over channels of the per-channel range / its median.
 # Measured on the first demoted keys: SmolLM2 layers 1.1-2.3, Gemma 3 sliding layers 1.05-1.9, Gemma 3
-# full-attention layers 1.9-5.3 (benchmarks/gemma3_layers.py, benchmarks/key_basis_decisions.py).
+# full-attention layers 1.9-5.3 (benchmarks/experiments/key_basis_decisions.py).
 RANGE_SPREAD_LIMIT = 3.0
 
 # Channel-grouped (OScaR) key streams keep the model's basis when its relative per-channel error

@@ -1,4 +1,4 @@
-"""One cache layer: full-precision sink, INT2 body, full-precision recent window (SPEC 2).
+"""One cache layer: full-precision sink, INT2 body, full-precision recent window.
 
 Token flow: the first ``sink_tokens`` tokens stay in the sink; later tokens enter the recent window; when the
 window holds more than ``recent_tokens`` tokens, the oldest leave it (in multiples of the recipe's demotion

@@ -112,7 +112,7 @@ def oscar_scaled_recipe(
     token_scaling: bool = True,
     scale_dtype: torch.dtype = torch.float16,
 ) -> LayerRecipe:
-    """OScaR (SPEC 4): block Hadamard, keys per channel over token groups with omni-token scaling, values per
+    """OScaR: block Hadamard, keys per channel over token groups with omni-token scaling, values per
     token over channel groups, a full-precision residual flushed in whole blocks. Data-free."""
     return LayerRecipe(
         key=GroupLayout("channel", key_group_size or group_size, None, token_scaling),
@@ -148,7 +148,7 @@ def oscar_recipe(
     scale_dtype: torch.dtype = torch.float16,
     demotion_tokens: int | None = None,
 ) -> LayerRecipe:
-    """OSCAR (SPEC 3): rotation (calibrated ``U H P`` or Hadamard), row clipping, per-token INT2 over
+    """OSCAR: rotation (calibrated ``U H P`` or Hadamard), row clipping, per-token INT2 over
     ``min(group_size, d)`` channels, full-precision sink and recent windows; tokens leave the recent window
     ``demotion_tokens`` at a time (default :func:`default_demotion_tokens`)."""
     return LayerRecipe(

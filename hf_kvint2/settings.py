@@ -156,10 +156,10 @@ CACHE_LEVEL_SETTINGS = ("sliding_window_dtype",)
 
 @dataclass(frozen=True)
 class OscarScaledSettings(_Settings):
-    """OScaR (SPEC 4): block Hadamard rotation, keys per channel over token groups with omni-token scaling (both
+    """OScaR: block Hadamard rotation, keys per channel over token groups with omni-token scaling (both
     dropped by keys that settle in the model's basis, hf_kvint2.key_basis), values per token over channel groups, a
     full-precision recent window, and a 64-token full-precision sink (not in the paper, whose recipe is
-    ``sink_tokens=0``: models with attention sinks lose a point of perplexity without it, docs/results.md).
+    ``sink_tokens=0``: the first tokens of models with attention sinks are read with large weights; docs/design.md).
     ``key_group_size`` / ``value_group_size`` default to ``group_size``; ``hadamard_block``
     to the largest power of two dividing head_dim. ``sliding_window_dtype``: the dtype sliding-window layers store
     their window in (None: the K/V dtype; :class:`~hf_kvint2.window_layer.WindowLayer`)."""
@@ -181,7 +181,7 @@ class OscarScaledSettings(_Settings):
 
 @dataclass(frozen=True)
 class OscarSettings(_Settings):
-    """OSCAR (SPEC 3): windows, the per-token group size (capped at head_dim) and the clip ratios of keys and
+    """OSCAR: windows, the per-token group size (capped at head_dim) and the clip ratios of keys and
     values (one ratio, None for no clipping, or one per layer). ``sliding_window_dtype``: the dtype
     sliding-window layers store their window in (None: the K/V dtype; :class:`~hf_kvint2.window_layer.WindowLayer`).
     ``demotion_tokens``: tokens leave the recent window this many at a time (it holds ``recent_tokens`` to

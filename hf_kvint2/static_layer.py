@@ -1,4 +1,4 @@
-"""The static (fixed-shape) Oscar cache layer for ``torch.export``, ``torch.compile`` and ONNX (issue 6).
+"""The static (fixed-shape) Oscar cache layer for ``torch.export``, ``torch.compile`` and ONNX.
 
 (About 440 lines on purpose: the slot arithmetic of the storage, the branch-free writes and the reads must agree
 position for position, so they stay in one class.)

@@ -4,8 +4,8 @@ A sliding-window layer attends to the last ``sliding_window`` positions only, so
 whatever the context length. The Oscar caches keep it in the K/V dtype (or 16 bits) and never quantize it
 (:func:`hf_kvint2.model_config.layer_plan`): at Gemma 3 270M's window of 512 a sliding layer holds 0.5 MiB of K/V
 in 16 bits, and INT2 costs quality on the only tokens a sliding layer reads for about the same bytes
-(docs/results.md, "Hybrid models": bytes at 32k, and perplexity on Gemma 3 270M: OScaR +0.13% with float32
-windows, +0.14% float16, +3.43% INT2; OSCAR +4.54%, +4.56%, +13.54%).
+(docs/results.md, "Hybrid models (Gemma 3 270M)": OScaR +0.13% perplexity with float32 windows, +0.14% float16,
++3.43% INT2; OSCAR +4.54%, +4.56%, +13.54%).
 
 * :class:`WindowLayer`: the dynamic layer, transformers' ``DynamicSlidingWindowLayer`` (same tokens, masks,
   ``crop`` and past recording) that also lets go of a long chunk: transformers keeps the window as a view into the

@@ -1,4 +1,4 @@
-"""Pinned SmolLM2 logits (issue 13): the recorded values and their comparison, shared by tests/test_exactness.py
+"""Pinned SmolLM2 logits: the recorded values and their comparison, shared by tests/test_exactness.py
 and tests/test_export_smollm2.py. See tests/test_exactness.py for what is recorded and how to re-record."""
 
 from __future__ import annotations

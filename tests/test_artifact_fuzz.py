@@ -1,4 +1,4 @@
-"""Fixed-seed fuzzing of calibration artifacts (issue 12): mutated ``config.json`` (values swapped for values of
+"""Fixed-seed fuzzing of calibration artifacts: mutated ``config.json`` (values swapped for values of
 other types and ranges, keys dropped or added, bytes flipped, truncated, random) and ``model.safetensors``
 (header fields changed, bytes flipped, truncated, random). Every case ends in a loaded cache that runs an
 update, or in an ``ArtifactError`` / ``ValueError`` with a message: never another exception type, never a hang

@@ -1,4 +1,4 @@
-"""The transformers cache contract (SPEC 7) on tiny random Llama / Qwen2 / Mistral models: exactness with the
+"""The transformers cache contract on tiny random Llama / Qwen2 / Mistral models: exactness with the
 windows covering every token, every generation mode, reuse across generate calls, the batch/crop operations,
 sliding-window layer types, bad input, and bits/memory accounting against the tensors actually held."""
 
@@ -552,7 +552,7 @@ def _held_bytes(layer: OscarLayer) -> dict:
 
 
 def _expected_bytes(kind, b, h, d, tokens, sink, recent, group, elt, demotion=1):
-    """Bytes from the storage formula of SPEC 2 (scales and lo in fp16, norms fp16 per token and batch row);
+    """Bytes from the storage formula (2-bit codes; scales and lo in fp16, norms fp16 per token and batch row);
     OSCAR's tokens leave the window ``demotion`` at a time."""
     if kind == "oscar":
         body = max(tokens - sink - recent, 0) // demotion * demotion
@@ -610,7 +610,7 @@ def _fill_long(cache, tokens=131072, d=128, chunk=32768):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bits_per_element_at_128k_tokens(kind):
-    """SPEC 2 / issue 2: at 131072 tokens, head_dim 128, bf16, default settings, OSCAR stores 2.25-2.30 bits per
+    """At 131072 tokens, head_dim 128, bf16, default settings, OSCAR stores 2.25-2.30 bits per
     element and OScaR about 3 (3 for codes + scales, plus the key norms and the full-precision window)."""
     tokens, d = 131072, 128
     cache = _fill_long(OscarCache() if kind == "oscar" else OscarScaledCache(), tokens, d)

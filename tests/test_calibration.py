@@ -157,7 +157,7 @@ def test_tiny_qwen2_with_key_offset_end_to_end(tokenizer):
 
 
 def _direct_value_metric(q, k, v, centered):
-    """SPEC 3.3 straight from all tokens at once: w_h[t] = k_t^T M_h k_t normalised to mean 1."""
+    """The value metric's token weights from all tokens at once: w_h[t] = k_t^T M_h k_t normalised to mean 1."""
     h = k.shape[0]
     qd = q.double().reshape(h, -1, q.shape[-1])
     m = qd.transpose(1, 2) @ qd / qd.shape[1]

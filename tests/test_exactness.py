@@ -1,4 +1,4 @@
-"""Numerics pinned across refactors (issue 13): SmolLM2-135M logits, bit for bit, against values recorded before
+"""Numerics pinned across refactors: SmolLM2-135M logits, bit for bit, against values recorded before
 the read path was restructured.
 
 Cases: the shipped OSCAR calibration and ``OscarScaledCache()``, a 600-token prompt then 16 one-token steps (the

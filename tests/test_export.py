@@ -1,6 +1,6 @@
 """Static Oscar caches and the export entry points: torch.export, torch.compile (inductor), ONNX Runtime.
 
-Protocol (issue 6): a prompt is stored eagerly, then the same 32 tokens are fed one step at a time. The eager
+Protocol: a prompt is stored eagerly, then the same 32 tokens are fed one step at a time. The eager
 static cache must match the dynamic caches, and every backend must give the eager logits within 1e-4 (fp32) at
 every step when it runs the step from the eager cache state. (Running freely, a backend's last-bit differences
 can move an INT2 code across a rounding boundary and the trajectories drift apart; the exported program is

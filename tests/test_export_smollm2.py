@@ -1,4 +1,4 @@
-"""Issue 6 acceptance on the real model: SmolLM2-135M with the shipped calibration, exported with torch.export
+"""Export on the real model: SmolLM2-135M with the shipped calibration, exported with torch.export
 and to ONNX, against eager execution of the same static cache (fp32, tolerance 1e-4).
 
 torch.compile of the 30-layer step takes ~10 minutes on a 2-core CPU, so it is measured by
@@ -53,7 +53,7 @@ def _load_state(module, state):
 
 
 def test_smollm2_exported_program_matches_eager(setup):
-    """Bit for bit against the eager steps, and against the logits pinned before issue 13's refactor."""
+    """Bit for bit against the eager steps, and against the pinned logits (tests/pinned_logits.py)."""
     model, _, module, ids, states, eager, prefill = setup
     step = export_decoder(model, module=module, max_cache_len=MAX_LEN).module()
     _load_state(module, states[0])

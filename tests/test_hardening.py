@@ -1,4 +1,4 @@
-"""Hostile artifacts, bad inputs and grad mode (issue 12): each case refuses cleanly or works, never corrupts,
+"""Hostile artifacts, bad inputs and grad mode: each case refuses cleanly or works, never corrupts,
 never escapes the artifact's folder, never allocates without bound."""
 
 from __future__ import annotations

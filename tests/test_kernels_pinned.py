@@ -1,4 +1,4 @@
-"""Triton kernel results pinned across refactors (issue 13): the quantize-and-pack kernel and the body attention
+"""Triton kernel results pinned across refactors: the quantize-and-pack kernel and the body attention
 kernel under Triton's interpreter (or on a GPU), bit for bit against values recorded before the read path was
 restructured, on real stored state of both caches; and the whole-layer decode step. The layer step now runs the
 shared read pipeline (sink, body and recent window as three partials, ``q . mu_K`` as a product) where it used to

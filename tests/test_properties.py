@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of the INT2 quantizer and the cache layer contract (issue 12).
+"""Property-based tests (hypothesis) of the INT2 quantizer and the cache layer contract.
 
 Random shapes, dtypes and magnitudes (1e-30..1e30 in fp32, the full fp16 / bf16 ranges), constant and zero rows:
 whatever is stored is finite and every stored token's error is bounded, or the input is refused with a

@@ -1,4 +1,4 @@
-"""Properties of the INT2 quantization core (SPEC 2): error bound, exact cases, packing, bad input."""
+"""Properties of the INT2 quantization core: error bound, exact cases, packing, bad input."""
 
 import numpy as np
 import pytest

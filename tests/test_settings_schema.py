@@ -1,8 +1,8 @@
-"""Issue 12 item 6: an artifact's settings are type-checked at load, against one schema, with errors naming the
+"""An artifact's settings are type-checked at load, against one schema, with errors naming the
 file, the key and the expected type.
 
-Enabled with issue 13's typed settings (one validation place, hf_kvint2.settings). They fail on the code before it
-(a string "false" turned token scaling on, ``true`` was a group of 1, ...).
+One validation place (hf_kvint2.settings), so that no loosely typed value slips through (a string "false" must not
+turn token scaling on, nor ``true`` make a group of 1).
 """
 
 from __future__ import annotations

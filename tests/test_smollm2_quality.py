@@ -1,4 +1,4 @@
-"""Both caches on the bundled SmolLM2-135M (issue 2 acceptance): exact with the windows covering every token, and
+"""Both caches on the bundled SmolLM2-135M: exact with the windows covering every token, and
 a smoke check of INT2 quality on Emma (the evaluation text; Pride and Prejudice is the calibration text)."""
 
 from importlib import resources

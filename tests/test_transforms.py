@@ -1,4 +1,4 @@
-"""Transforms (SPEC 3.4, 4.1): Hadamard, block Hadamard, OSCAR's spectral rotation, clipping, head_dim errors."""
+"""Transforms: Hadamard, block Hadamard, OSCAR's spectral rotation, clipping, head_dim errors."""
 
 import pytest
 import torch

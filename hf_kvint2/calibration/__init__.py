@@ -1,4 +1,4 @@
-"""OSCAR calibration (SPEC 3): capture post-RoPE Q/K/V, stream the key and value metrics, fit rotations, clip
+"""OSCAR calibration: capture post-RoPE Q/K/V, stream the key and value metrics, fit rotations, clip
 ratios, centering and the per-layer layout; ``OscarCache.calibrate`` builds the cache from the result.
 
 Modules: :mod:`.capture` (observing the model), :mod:`.statistics` (the two passes), :mod:`.fitting`

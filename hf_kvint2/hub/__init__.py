@@ -1,4 +1,4 @@
-"""Calibration artifacts (SPEC 6): the on-disk format, save / load / push through ``huggingface_hub``, validation
+"""Calibration artifacts: the on-disk format, save / load / push through ``huggingface_hub``, validation
 against the model, the reference OSCAR RotationZoo import, and the registry of artifacts shipped in the package.
 
 An artifact is a folder (a Hub repo, a ``subfolder`` of a model repo, or a local directory) with:
