@@ -208,7 +208,7 @@ def main() -> None:
                     help="caches compared: dynamic, hqq (QuantizedCache, 2 bits; needs pip install hqq), oscar, "
                          "scaled (default: all, hqq last)")
     # 5 timed steps: DynamicCache's first decode steps page-fault a fresh copy of its history (2-3x slower than its
-    # steady state), which a 2-step median catches (docs/results.md, seventh run)
+    # steady state), which a 2-step median would catch
     add_step_options(ap, steps=5, warmup=1)
     add_shared_options(ap, out_name="throughput_cpu.json", model_default="synthetic", threads_default=1,
                        worker_metavar=("CACHE", "BUDGET"))

@@ -1,6 +1,5 @@
 """OScaR's omni-token key scaling, measured by perplexity: with and without it, in the model's basis and in the
-Hadamard, against KIVI-2 with and without it (why OScaR trailed KIVI-2 on Gemma 3; docs/results.md, "OScaR's
-token scaling in the model basis").
+Hadamard, against KIVI-2 with and without it (why OScaR trailed KIVI-2 on Gemma 3; the answer: docs/design.md, "Why the defaults").
 
     python benchmarks/experiments/token_scaling.py --model gemma3 --windows 4
     python benchmarks/experiments/token_scaling.py --model smollm2 --windows 8 --variants fp,oscar_scaled,oscar_scaled_no_ts,kivi2_sink64,kivi2_sink64_ts
