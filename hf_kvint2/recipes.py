@@ -10,6 +10,29 @@ import torch
 from .quant import AXES, SCALE_DTYPES
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_fraction(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and 0.0 < v <= 1.0
+
+
+def is_power_of_two_int(v) -> bool:
+    return _is_int(v) and v > 0 and v & (v - 1) == 0
+
+
+# GroupLayout's fields: (check, what the error says is expected). Checked at construction, so a layout read from an
+# artifact or given in Python is refused before any K/V is quantized with it.
+_LAYOUT_FIELDS = {
+    "axis": (lambda v: isinstance(v, str) and v in AXES, f"one of {AXES}"),
+    "group_size": (lambda v: _is_int(v) and v > 0, "a positive int"),
+    "clip": (lambda v: v is None or _is_fraction(v), "a ratio in (0, 1] or None"),
+    "token_scaling": (lambda v: isinstance(v, bool), "a bool (True or False)"),
+    "range_clip": (lambda v: v is None or _is_fraction(v), "a fraction in (0, 1] or None"),
+}
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """How one of K or V is quantized in the INT2 body.
@@ -33,20 +56,13 @@ class GroupLayout:
     range_clip: float | None = None
 
     def __post_init__(self):
-        if self.axis not in AXES:
-            raise ValueError(f"GroupLayout.axis must be one of {AXES}, got {self.axis!r}.")
-        if not isinstance(self.group_size, int) or self.group_size <= 0:
-            raise ValueError(f"GroupLayout.group_size must be a positive int, got {self.group_size!r}.")
-        if self.clip is not None and not (0.0 < self.clip <= 1.0):
-            raise ValueError(f"Clip ratio must be in (0, 1], got {self.clip}.")
-        if self.range_clip is not None:
-            if isinstance(self.range_clip, bool) or not isinstance(self.range_clip, (int, float)) or \
-                    not 0.0 < self.range_clip <= 1.0:
-                raise ValueError(f"GroupLayout.range_clip must be a fraction in (0, 1] or None, got "
-                                 f"{self.range_clip!r}.")
-            if self.axis != "channel":
-                raise ValueError("GroupLayout.range_clip narrows per-channel token groups; per-token groups "
-                                 "('token' axis) clip rows with `clip` instead.")
+        for name, (check, expected) in _LAYOUT_FIELDS.items():
+            value = getattr(self, name)
+            if not check(value):  # a string "false" would turn scaling on, True would be a group of 1
+                raise ValueError(f"GroupLayout: {name} must be {expected}, got {value!r} ({type(value).__name__}).")
+        if self.range_clip is not None and self.axis != "channel":
+            raise ValueError("GroupLayout.range_clip narrows per-channel token groups; per-token groups "
+                             "('token' axis) clip rows with `clip` instead.")
 
     def group_for(self, head_dim: int) -> int:
         """The group size actually used: per-token groups never exceed head_dim (SPEC: G = min(128, d))."""
@@ -77,11 +93,13 @@ class LayerRecipe:
     def __post_init__(self):
         for name in ("sink_tokens", "recent_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if not _is_int(v) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}.")
-        if not isinstance(self.demotion_tokens, int) or isinstance(self.demotion_tokens, bool) or \
-                self.demotion_tokens <= 0:
+        if not _is_int(self.demotion_tokens) or self.demotion_tokens <= 0:
             raise ValueError(f"demotion_tokens must be a positive int, got {self.demotion_tokens!r}.")
+        if self.hadamard_block is not None and not is_power_of_two_int(self.hadamard_block):
+            raise ValueError(f"hadamard_block must be a power of two (dividing head_dim) or None, got "
+                             f"{self.hadamard_block!r}.")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype}.")
 

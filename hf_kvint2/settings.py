@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .quant import SCALE_DTYPES
-from .recipes import GroupLayout, LayerRecipe, oscar_recipe, oscar_scaled_recipe
+from .recipes import GroupLayout, LayerRecipe, is_power_of_two_int, oscar_recipe, oscar_scaled_recipe
 
 SETTINGS_VERSION = 1  # the artifact format_version whose settings dict to_dict writes
 SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -47,6 +47,7 @@ KINDS = {  # kind -> (check, what the error says is expected)
     "non_negative_int": (lambda v: _is_int(v) and v >= 0, "a non-negative int"),
     "positive_int": (lambda v: _is_int(v) and v > 0, "a positive int"),
     "optional_positive_int": (lambda v: v is None or (_is_int(v) and v > 0), "a positive int or None"),
+    "optional_power_of_two": (lambda v: v is None or is_power_of_two_int(v), "a power of two or None"),
     "bool": (lambda v: isinstance(v, bool), "a bool (True or False)"),
     "scale_dtype": (lambda v: v in SCALE_DTYPES, f"one of {SCALE_DTYPES}"),
     "window_dtype": (lambda v: v is None or v in WINDOW_DTYPES, f"None or one of {WINDOW_DTYPES}"),
@@ -169,7 +170,7 @@ class OscarScaledSettings(_Settings):
     group_size: int = field(default=32, metadata={"kind": "positive_int"})
     key_group_size: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
     value_group_size: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
-    hadamard_block: int | None = field(default=None, metadata={"kind": "optional_positive_int"})
+    hadamard_block: int | None = field(default=None, metadata={"kind": "optional_power_of_two"})
     token_scaling: bool = field(default=True, metadata={"kind": "bool"})
     scale_dtype: torch.dtype = field(default=torch.float16, metadata={"kind": "scale_dtype"})
     sliding_window_dtype: torch.dtype | None = field(default=None, metadata={"kind": "window_dtype"})
@@ -216,6 +217,15 @@ class OscarSettings(_Settings):
         return value
 
 
+# What one entry of an OscarCalibration per-layer list is (None: that layer has none): a tensor of that many
+# dimensions, or a string.
+_CALIBRATION_ENTRIES = {
+    "k_rotations": (2, "a [head_dim, head_dim] tensor"), "v_rotations": (2, "a [head_dim, head_dim] tensor"),
+    "key_means": (2, "a [kv_heads, head_dim] tensor"), "value_means": (2, "a [kv_heads, head_dim] tensor"),
+    "k_eigenvalues": (1, "a [head_dim] tensor"), "v_eigenvalues": (1, "a [head_dim] tensor"),
+    "layout_names": (str, "a string")}
+
+
 @dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class OscarCalibration:
     """What calibration fits per layer (entries may be None: Hadamard rotation, not centred, default layout).
@@ -245,6 +255,14 @@ class OscarCalibration:
                     raise SettingsError(f"OscarCalibration: {name} must be a per-layer sequence or None, got "
                                         f"{type(value).__name__}.")
                 object.__setattr__(self, name, tuple(value))
+        for name, (kind, expected) in _CALIBRATION_ENTRIES.items():
+            for i, entry in enumerate(getattr(self, name) or ()):
+                ok = entry is None or (isinstance(entry, str) if kind is str else
+                                       isinstance(entry, torch.Tensor) and entry.dim() == kind)
+                if not ok:  # a nested list for a rotation would fail at the first update, far from its cause
+                    shape = f" of shape {tuple(entry.shape)}" if isinstance(entry, torch.Tensor) else ""
+                    raise SettingsError(f"OscarCalibration: {name}[{i}] must be {expected} or None, got "
+                                        f"{type(entry).__name__}{shape}.")
         for pair in self.layer_layouts or ():
             if pair is not None and not (len(pair) == 2 and all(isinstance(x, GroupLayout) for x in pair)):
                 raise SettingsError(f"OscarCalibration: layer_layouts entries must be (key GroupLayout, value "

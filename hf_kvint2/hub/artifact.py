@@ -336,7 +336,8 @@ def _decode_oscar_layers(config: dict, tensors: dict, where: str) -> dict:
                     except ValueError as e:
                         raise _fail(at, f"{e} A rotation must be orthogonal (R R^T = I).") from e
                 lists[listname][i] = t
-        pair = (_layout_from_json(entry.get("key_layout"), at), _layout_from_json(entry.get("value_layout"), at))
+        pair = tuple(_layout_from_json(entry.get(f"{kind}_layout"), f"{at}, {CONFIG_NAME} key layers[{i}].{kind}_layout")
+                     for kind in ("key", "value"))
         if (pair[0] is None) != (pair[1] is None):
             raise _fail(at, "key_layout and value_layout must both be given or both be null.")
         name = entry.get("layout")
