@@ -13,7 +13,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .calibration import calibration_from_choices, fit_calibration, settings_from_choices
 from .calibration.run import print_summary
 from .distributed import resolve_shard, warn_if_undetectable
-from .hub import OSCAR_FORMAT, OSCAR_SCALED_FORMAT, ZOO_K_METHOD, ZOO_V_METHOD, CacheHubMixin, check_update
+from .hub import (
+    OSCAR_FORMAT,
+    OSCAR_SCALED_FORMAT,
+    ZOO_K_METHOD,
+    ZOO_V_METHOD,
+    CacheHubMixin,
+    check_layer_plan,
+    check_update,
+)
 from .hub.zoo import load_rotation_zoo
 from .layers import OscarLayer
 from .model_config import WINDOWED, LayerPlan, layer_plan, model_shape
@@ -112,6 +120,8 @@ class OscarCacheBase(Cache):
         window holding that chunk (nothing of it was quantized for attention; its INT2 copy is dropped)."""
         if self.layer_plan is not None or config is None:
             return
+        if self.artifact_info is not None:  # the artifact's calibrated layers must be the ones this model quantizes
+            check_layer_plan(self.artifact_info, config, f"the model ({type(config).__name__} of its attention)")
         plan = layer_plan(config, type(self).__name__)
         self.layer_plan = plan
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None

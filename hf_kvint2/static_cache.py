@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache
 
+from .hub import check_layer_plan
 from .model_config import WINDOWED, layer_plan, model_shape
 from .read_path import BODY_BLOCK_TOKENS
 from .recipes import LayerRecipe
@@ -67,6 +68,7 @@ class StaticOscarCache(Cache):
         if info.get("num_layers") not in (None, n):
             raise ValueError(f"The calibration artifact has num_layers={info['num_layers']} but the model has {n}: "
                              "load the artifact calibrated for this model.")
+        check_layer_plan(info, config, f"the model config ({type(config).__name__})")
         return cls(recipe_for_layer, config, max_cache_len, attention_block, getattr(cache, "window_dtype", None))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

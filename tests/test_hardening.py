@@ -3,12 +3,17 @@ never escapes the artifact's folder, never allocates without bound."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
 import json
 import os
 import pickle
+import re
 import signal
+import struct
+import subprocess
+import sys
 import zipfile
 from contextlib import contextmanager
 
@@ -386,3 +391,195 @@ def test_crop_inside_a_key_group_keeps_no_dequantized_copy_of_the_body():
     k, _ = layer.dequantized_body()
     full = torch.cat([k, layer.recent_k], dim=2)
     assert (full - x[:, :, :1007]).abs().mean() < 0.5  # the kept tokens are the stored ones
+
+
+# ---------------------------------------------------------------------------------------------- 10 artifacts, cards
+_LIMITED_LOAD = """
+import json, resource, sys
+import torch
+from transformers import LlamaConfig
+from hf_kvint2 import OscarCache
+torch.set_num_threads(1)
+kind, path = sys.argv[1:]
+config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64)
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # what it may map, at most
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    if kind == "artifact":
+        OscarCache.from_pretrained(path)
+    else:
+        OscarCache.from_rotation_zoo(path, config=config if kind == "zoo+config" else None)
+    outcome = "loaded"
+except Exception as e:
+    outcome = f"{type(e).__name__}: {e}"
+print(json.dumps({"outcome": outcome, "grown_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before}))
+"""
+
+
+def load_with_limited_memory(kind: str, path) -> dict:
+    """Load in a fresh process that may map at most 1 GiB more than after its imports: the outcome (exception type
+    and message) and how much its peak RSS grew (KB)."""
+    probe = subprocess.run([sys.executable, "-c", _LIMITED_LOAD, kind, str(path)], capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    return json.loads(probe.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("deflate,layers,with_config", [(True, 48, False), (True, 48, True), (False, 9, False)],
+                         ids=["deflated", "deflated-config", "stored"])
+def test_rotation_zoo_allocation_is_bounded_by_the_zip_index(tmp_path, deflate, layers, with_config):
+    """A RotationZoo of all-zero float64 [2048, 2048] rotations: 48 deflated ones in a 1.5 MiB file (1.5 GiB once
+    inflated), or 9 stored ones (288 MiB, a sparse file). Refused from the zip index, in a process whose peak
+    memory grows by a few MB (without config= it allocated every rotation before the first orthogonality check)."""
+    from test_artifact_fuzz import write_zoo_archive
+
+    for kind, method in (("k", "qqt_r_h_pbr"), ("v", "sst_r_h_pbr")):
+        write_zoo_archive(tmp_path / f"{kind}_rotation_{method}.pt", [2048] * layers, deflate)
+    if deflate:
+        assert (tmp_path / "k_rotation_qqt_r_h_pbr.pt").stat().st_size < 2 << 20
+    result = load_with_limited_memory("zoo+config" if with_config else "zoo", tmp_path)
+    expected = ("declares a 33554432-byte tensor .* larger than a \\[16, 16\\]" if with_config else
+                "stores archive/data/0 compressed" if deflate else
+                "declares \\d+ bytes of data, more than the \\d+ bytes an import reads without the model's config")
+    assert result["outcome"].startswith("ArtifactError") and re.search(expected, result["outcome"]), result
+    assert result["grown_kb"] < 32 << 10, result  # KB: no storage was read
+
+
+def _edited(saved, tmp_path, edit=None, raw=None):
+    """A copy of the saved artifact with config.json edited (``edit`` on the dict) or replaced by ``raw`` text."""
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((saved / name).read_bytes())
+    if edit is not None:
+        config = json.loads((saved / "config.json").read_text())
+        edit(config)
+        raw = json.dumps(config)
+    if raw is not None:
+        (folder / "config.json").write_text(raw)
+    return folder
+
+
+INJECTION = 'x")\nimport os; os.system("echo pwned")  #'
+
+
+def _snippet(card: str) -> ast.Module:
+    return ast.parse(card.split("```python\n", 1)[1].split("```", 1)[0])
+
+
+@pytest.mark.parametrize("key", ["base_model", "base_model_revision"])
+def test_identifiers_a_card_quotes_are_checked_at_load_and_save(saved, tmp_path, key):
+    folder = _edited(saved, tmp_path, lambda c: c.update({key: INJECTION}))
+    with pytest.raises(ArtifactError, match=rf"config\.json: {key} must be a Hub repo id such as 'org/name'.*got "
+                                            r"'x\"\)\\nimport os"):
+        OscarCache.from_pretrained(folder)
+    with pytest.raises(ArtifactError, match=f"{key} must be a Hub repo id"):
+        calibrated_oscar().save_pretrained(tmp_path / "out", **{key: INJECTION})
+
+
+def test_card_renders_artifact_strings_as_text_and_its_snippet_as_the_expected_code(saved, tmp_path):
+    hostile = {"cache": "<img src=x onerror=alert(1)>", "note": "a | b\n| injected | row |",
+               "link": "[click](javascript:alert(1))", "code": "`x`"}
+
+    def edit(config):
+        config["quality"] = [hostile, {"cache": "OscarCache", "perplexity": 30.1}]
+        config["calibration"] = {"data": "<script>alert(1)</script>\n# heading", "num_tokens": "*1*", "window": "|"}
+        config["layers"][0]["layout"] = "spectral | <b>bold</b>"
+    cache = OscarCache.from_pretrained(_edited(saved, tmp_path, edit))
+    repo_id, subfolder = 'me/repo"); import os; ("', "a b\"'"  # passed to save_pretrained: quoted, never code
+    card = (cache.save_pretrained(tmp_path / "again", repo_id=repo_id, subfolder=subfolder) / "README.md").read_text()
+    for markup in ("<img", "<script", "<b>", "\n# heading", "| injected | row |"):
+        assert markup not in card, markup
+    assert not re.search(r"(?<!\\)\]\(javascript", card)  # a link, unless its bracket is escaped
+    assert "&lt;img src=x onerror=alert(1)&gt;" in card and "\\[click\\]" in card and "\\`x\\`" in card
+    quality = [line for line in card.splitlines() if line.startswith("| ") and "OscarCache" in line or "&lt;img" in line]
+    assert len(quality) == 2 and all(line.replace("\\|", "").count("|") == 6 for line in quality), quality
+    tree = _snippet(card)
+    assert not any(isinstance(node, ast.Import) for node in tree.body)
+    call = tree.body[-3].value  # cache = OscarCache.from_pretrained(<repo_id>, subfolder=<subfolder>, config=...)
+    assert ast.literal_eval(call.args[0]) == repo_id and ast.literal_eval(call.keywords[0].value) == subfolder
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(quality=[1, 2]), r"quality\[0\] must be an object .* got 1 \(int\)"),
+    (lambda c: c.update(quality=[{"cache": "x"}, "row"]), r"quality\[1\] must be an object"),
+    (lambda c: c.update(calibration={"data": "text \udc80"}),
+     r"key calibration\.data holds a string with a lone surrogate"),
+    (lambda c: c["layers"][1].update(layout="\ud800"), r"key layers\[1\]\.layout holds a string with a lone surrogate"),
+    (lambda c: c.update(quality=[{"\udfff": 1}]), r"key quality\[0\]\.'\\udfff' holds a string with a lone surrogate"),
+], ids=["quality-ints", "quality-string-row", "surrogate-value", "surrogate-layout", "surrogate-key"])
+def test_what_cannot_be_saved_again_is_refused_at_load(saved, tmp_path, edit, message):
+    """These loaded, then failed at save_pretrained with a TypeError or a UnicodeEncodeError."""
+    with pytest.raises(ArtifactError, match=message):
+        OscarCache.from_pretrained(_edited(saved, tmp_path, edit))
+
+
+def test_an_integer_python_will_not_read_names_the_file(saved, tmp_path):
+    text = (saved / "config.json").read_text().replace('"num_layers": 2', '"num_layers": ' + "9" * 5000, 1)
+    with pytest.raises(ArtifactError, match=r"config\.json holds a number Python refuses to read \(Exceeds the limit"):
+        OscarCache.from_pretrained(_edited(saved, tmp_path, raw=text))
+    folder = tmp_path / "edited"  # the same in the safetensors header
+    raw = (saved / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + n].replace(b'"data_offsets":[0,', b'"data_offsets":[' + b"1" * 5000 + b",", 1)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+    (folder / "config.json").write_bytes((saved / "config.json").read_bytes())
+    with pytest.raises(ArtifactError, match=r"model\.safetensors is not a readable safetensors file \(unreadable "
+                                            r"header: ValueError\)"):
+        OscarCache.from_pretrained(folder)
+
+
+def test_safetensors_header_over_the_limit_is_called_that(saved, tmp_path):
+    folder = _edited(saved, tmp_path)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", safety.MAX_SAFETENSORS_HEADER_BYTES + 1))
+        f.truncate(64 << 20)  # the file holds the declared header: not truncated
+    with pytest.raises(ArtifactError, match=rf"declares a {safety.MAX_SAFETENSORS_HEADER_BYTES + 1}-byte header, "
+                                            rf"more than the {safety.MAX_SAFETENSORS_HEADER_BYTES} bytes"):
+        OscarCache.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("sparse-tail", r"has 68719476736 bytes after its last tensor"),
+    ("gap", r"starts at data byte \d+, but the tensors before it end at \d+ \(a gap or an overlap\)"),
+])
+def test_safetensors_bytes_outside_the_tensors_are_refused(saved, tmp_path, damage, message):
+    """Refused by the header check, before the loader maps the file: with a long sparse tail and an address-space
+    limit, mapping it failed as a bare MemoryError."""
+    folder = _edited(saved, tmp_path)
+    path = folder / "model.safetensors"
+    if damage == "sparse-tail":
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size + (64 << 30))
+    else:  # the last tensor moved 4 bytes on, into 4 new bytes at the end
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        start, end = header[last]["data_offsets"]
+        header[last]["data_offsets"] = [start + 4, end + 4]
+        text = json.dumps(header).encode()
+        body = raw[8 + n:]
+        path.write_bytes(struct.pack("<Q", len(text)) + text + body[:start] + bytes(4) + body[start:])
+    with pytest.raises(ArtifactError, match=message):
+        OscarCache.from_pretrained(folder)
+    if damage == "sparse-tail":
+        result = load_with_limited_memory("artifact", folder)
+        assert result["outcome"].startswith("ArtifactError") and re.search(message, result["outcome"]), result
+
+
+def test_errors_say_how_hf_kvint2_is_really_updated(saved, tmp_path, monkeypatch):
+    """hf_kvint2 is not on PyPI: the advice is to update or reinstall it from its source."""
+    from hf_kvint2 import hub
+
+    with pytest.raises(ArtifactError) as newer:
+        OscarCache.from_pretrained(_edited(saved, tmp_path, lambda c: c.update(format_version=2)))
+    monkeypatch.setitem(hub.EMBEDDED_ARTIFACTS, "hf-kvint2/missing", tmp_path / "not-installed")
+    with pytest.raises(OSError) as missing:
+        OscarCache.from_pretrained("hf-kvint2/missing")
+    for error in (newer, missing):
+        message = str(error.value)
+        assert "pip install -U" not in message and "hf-kvint2 " not in message
+        assert "hf_kvint2 from the source you installed it from" in message, message

@@ -370,7 +370,8 @@ def _copy_artifact(src, dst, edit_config=None, edit_tensors=None):
     (None, lambda t: t.pop("layers.1.value_rotation"), "'layers.1.value_rotation' is listed .* but missing"),
     (None, lambda t: t.update({"layers.5.key_rotation": torch.eye(HEAD_DIM)}), "does not list"),
     (lambda c: c["layers"].pop(), None, "lists 1 layers but num_layers is 2: layers are missing"),
-    (lambda c: c.update(format_version=2), None, "format_version 2 is newer .* upgrade"),
+    (lambda c: c.update(format_version=2), None,
+     "format_version 2 is newer .* update hf_kvint2 from the source you installed it from"),
     (lambda c: c.update(format_version="1"), None, "unknown format_version '1'"),
     (lambda c: c.update(format="someone.else"), None, "format is 'someone.else'"),
     (lambda c: c.pop("format"), None, "no 'format' key"),
@@ -563,3 +564,13 @@ def test_shipped_artifact_runs_on_smollm2(smollm2):
     with pytest.raises(ArtifactError, match="num_key_value_heads=3, but the model .* has num_key_value_heads=2"):
         chunked_logits(make_tiny_llama(kv_heads=2, head_dim=64), OscarCache.from_pretrained(
             hub.SMOLLM2_ARTIFACT_ID), torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_layers_sharing_one_tensor_save_and_load(tmp_path):
+    """The same rotation given for every layer (e.g. one Hadamard) is saved as one tensor per layer (safetensors
+    refuses tensors that share memory)."""
+    hadamard = torch.eye(HEAD_DIM)
+    cache = OscarCache(k_rotations=[hadamard] * LAYERS, v_rotations=[hadamard] * LAYERS, sink_tokens=4,
+                       recent_tokens=8)
+    loaded = OscarCache.from_pretrained(cache.save_pretrained(tmp_path))
+    assert all(torch.equal(r, hadamard) for r in loaded.calibration.k_rotations + loaded.calibration.v_rotations)

@@ -23,9 +23,11 @@ optional attributes ``k_eigenvalues`` / ``v_eigenvalues`` (per-layer ``[d]`` ten
 and ``num_tokens`` are shown on the card).
 
 Loading checks everything it reads (format, version, shapes, finiteness, orthogonality, missing or unexpected
-tensors) and records the model shapes; the cache compares them with the model at its first ``update`` (and with
-``config`` when given to ``from_pretrained``), raising an error that names both sides. A different base model
-name only warns: local copies and fine-tunes have other names.
+tensors, identifiers and strings the model card renders; docs/robustness.md lists it all) and records the model
+shapes and calibrated layers; the cache compares them with the model at its first ``update`` (the layers with the
+model's layer plan once the ``"oscar"`` attention tells it) and with ``config`` when given to ``from_pretrained``,
+raising an error that names both sides. A different base model name only warns: local copies and fine-tunes have
+other names.
 
 Modules: :mod:`.artifact` (the format: checks, cache <-> dict + tensors), :mod:`.files` (embedded / local / Hub
 files, load and write), :mod:`.card` (the model card), :mod:`.zoo` (the RotationZoo import). This package holds
@@ -49,6 +51,7 @@ from .artifact import (
     ArtifactError,
     artifact_payload,
     check_config,
+    check_layer_plan,
     check_shape,
     check_update,
     decode_payload,
@@ -139,6 +142,6 @@ __all__ = [
     "GEMMA3_ARTIFACT_DIR", "GEMMA3_ARTIFACT_ID", "OSCAR_FORMAT", "OSCAR_SCALED_FORMAT", "SHAPE_KEYS",
     "SMOLLM2_ARTIFACT_DIR", "SMOLLM2_ARTIFACT_ID",
     "TENSORS_NAME", "ZOO_K_METHOD", "ZOO_V_METHOD", "ArtifactError", "CacheHubMixin", "artifact_payload",
-    "check_config", "check_shape", "check_update", "decode_payload", "load_artifact", "load_rotation_zoo",
+    "check_config", "check_layer_plan", "check_shape", "check_update", "decode_payload", "load_artifact", "load_rotation_zoo",
     "model_shape_from_config", "quality_markdown", "render_card", "resolve_file", "write_artifact",
 ]

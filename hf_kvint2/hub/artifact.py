@@ -7,13 +7,14 @@ format it checks (one place to read what an artifact may contain); file-level sa
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
 
-from ..model_config import model_shape
+from ..model_config import QUANTIZED, layer_plan, model_shape
 from ..recipes import GroupLayout
 from ..settings import SETTING_BOUNDS, OscarCalibration, SettingsError
 from ..transforms import check_orthogonal
@@ -28,6 +29,15 @@ CONFIG_NAME = "config.json"
 TENSORS_NAME = "model.safetensors"
 SHAPE_KEYS = ("num_layers", "num_key_value_heads", "head_dim")
 ORTHOGONAL_ATOL = 1e-4
+# What to do about a newer format or a damaged installation: hf_kvint2 is installed from its source (a clone, or a
+# wheel built from it), not from PyPI.
+UPDATE = ("update hf_kvint2 from the source you installed it from (it is not on PyPI): `git pull` and "
+          "`pip install .` in its clone, or a wheel built from a newer clone")
+REINSTALL = "reinstall hf_kvint2 from the source you installed it from (its clone, or a wheel built from it)"
+# Names config.json holds that the model card renders and its usage snippet quotes: a Hub repo id ("org/name") or
+# a local model folder, in these characters only (no quotes, spaces, backslashes or markup).
+IDENTIFIER = re.compile(r"[A-Za-z0-9._~/-]{1,256}")
+IDENTIFIER_RULE = "a Hub repo id such as 'org/name' (or a local model folder) of letters, digits and . _ - / ~"
 
 
 def model_shape_from_config(config) -> dict:
@@ -58,9 +68,31 @@ def _same_model_name(a: str, b: str) -> bool:
     return Path(str(a).rstrip("/")).name.lower() == Path(str(b).rstrip("/")).name.lower()
 
 
+def check_layer_plan(info: dict, config, where: str) -> None:
+    """Raise if the layers an artifact calibrates (``info["calibrated_layers"]``, when it records them) are not the
+    layers the model quantizes (its full-attention layers, :func:`~hf_kvint2.model_config.layer_plan`): the
+    calibration of the others would be dropped and the model's quantized layers run uncalibrated."""
+    calibrated = info.get("calibrated_layers")
+    if calibrated is None:
+        return
+    plan = layer_plan(config)
+    quantized = [i for i, p in enumerate(plan) if p.storage == QUANTIZED]
+    if list(calibrated) != quantized:
+        windowed = [i for i, p in enumerate(plan) if p.storage != QUANTIZED]
+        raise ArtifactError(
+            f"{_describe(info)} calibrates layers {list(calibrated)}, but {where} quantizes layers {quantized} (its "
+            f"full-attention layers; {windowed or 'none'} keep a sliding window in full precision). The artifact "
+            "was calibrated for a model with another layer plan: its calibration would be dropped on some layers and "
+            "missing on others. Load the artifact calibrated for this model, or calibrate it with "
+            "OscarCache.calibrate(...).")
+
+
 def check_config(info: dict, config) -> None:
-    """Check an artifact against a transformers config: shapes raise, a different base model only warns."""
-    check_shape(info, model_shape_from_config(config), f"the model config ({type(config).__name__})")
+    """Check an artifact against a transformers config: shapes and layer plans raise, a different base model only
+    warns."""
+    where = f"the model config ({type(config).__name__})"
+    check_shape(info, model_shape_from_config(config), where)
+    check_layer_plan(info, config, where)
     base, name = info.get("base_model"), getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", "")
     if base and name and not _same_model_name(base, name):
         warnings.warn(f"{info.get('source') or 'The calibration artifact'} was calibrated for {base!r} but the model "
@@ -114,7 +146,8 @@ def _encode_oscar(cache) -> tuple[dict, dict[str, torch.Tensor], dict]:
                 t = per_layer[listname][i] if per_layer[listname] else None
                 entry[f"{kind}_{part}"] = t is not None
                 if t is not None:
-                    tensors[f"layers.{i}.{kind}_{part}"] = t.detach().to("cpu", torch.float32).contiguous()
+                    # a copy: layers may share one tensor, and safetensors refuses tensors that share memory
+                    tensors[f"layers.{i}.{kind}_{part}"] = t.detach().to("cpu", torch.float32, copy=True).contiguous()
                     if part == "rotation":
                         inferred["head_dim"] = t.shape[-1]
                     if part == "mean":
@@ -213,8 +246,8 @@ def _check_header(cls, config, where: str) -> None:
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise _fail(where, f"unknown format_version {version!r} (this hf_kvint2 reads 1..{FORMAT_VERSION}).")
     if version > FORMAT_VERSION:
-        raise _fail(where, f"format_version {version} is newer than this hf_kvint2 reads ({FORMAT_VERSION}); "
-                           "upgrade it: pip install -U hf-kvint2.")
+        raise _fail(where, f"format_version {version} is newer than this hf_kvint2 ({__version__}) reads "
+                           f"({FORMAT_VERSION}); {UPDATE}.")
     for key, bound in zip(SHAPE_KEYS, (safety.MAX_LAYERS, safety.MAX_KV_HEADS, safety.MAX_HEAD_DIM)):
         v = config.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= bound):
@@ -402,11 +435,23 @@ _METADATA_TYPES = {"base_model": (str,), "base_model_revision": (str,), "quality
 
 
 def _check_metadata_types(config: dict, where: str) -> None:
+    """Types of the metadata, the identifiers the card quotes, and the card's quality rows (what a save writes
+    back: an artifact that loads can be saved again)."""
     for key, types in _METADATA_TYPES.items():
         v = config.get(key)
         if v is not None and not isinstance(v, types):
             names = " or ".join({str: "a string", list: "a list", dict: "an object"}[t] for t in types)
             raise _fail(where, f"{key} must be {names} or null, got {v!r} ({type(v).__name__}).")
+    for key in ("base_model", "base_model_revision"):
+        v = config.get(key)
+        if v is not None and not IDENTIFIER.fullmatch(v):
+            raise _fail(where, f"{key} must be {IDENTIFIER_RULE} (no spaces, quotes or markup; the model card quotes "
+                               f"it in Python code), got {v!a}. Fix it in config.json, or pass {key}=... to "
+                               "save_pretrained.")
+    for i, row in enumerate(config.get("quality") or ()):
+        if not isinstance(row, dict):
+            raise _fail(where, f"quality[{i}] must be an object (one row of the card's quality table, column -> "
+                               f"value), got {row!r} ({type(row).__name__}).")
 
 
 def _check_mean_range(fields: dict, scale_dtype, where: str) -> None:
@@ -457,8 +502,10 @@ def decode_payload(cls, config: dict, tensors: dict, where: str, overrides: dict
     fields.update({k: v for k, v in overrides.items() if k in calibration_names})
     _check_mean_range(fields, overrides.get("scale_dtype", settings.scale_dtype), where)
     info = {key: config.get(key) for key in SHAPE_KEYS}
+    layouts = fields.get("layer_layouts")
     info.update(source=where, base_model=config.get("base_model"), base_model_revision=config.get(
-        "base_model_revision"))
+        "base_model_revision"), calibrated_layers=None if layouts is None else [
+            i for i, pair in enumerate(layouts) if pair is not None])
     if model_config is not None:
         check_config(info, model_config)
     extra = {}

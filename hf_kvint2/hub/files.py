@@ -11,6 +11,7 @@ from .. import network
 from . import safety
 from .artifact import (
     CONFIG_NAME,
+    REINSTALL,
     TENSORS_NAME,
     _check_header,
     _fail,
@@ -51,10 +52,9 @@ def resolve_file(repo_or_path, filename: str, *, subfolder=None, revision=None, 
         folder = EMBEDDED_ARTIFACTS[name]
         if not (folder / CONFIG_NAME).exists():
             raise OSError(f"{name} is an artifact shipped with hf_kvint2, but {folder} is missing from this "
-                          "installation; reinstall hf-kvint2 or regenerate it with calibration_scripts/"
-                          "calibrate_oscar.py.")
+                          f"installation; {REINSTALL}, or regenerate it with calibration_scripts/calibrate_oscar.py.")
         if not (folder / filename).exists():
-            raise OSError(f"{folder / filename} is missing from this installation of hf_kvint2; reinstall it.")
+            raise OSError(f"{folder / filename} is missing from this installation of hf_kvint2; {REINSTALL}.")
         return safety.regular_file(folder / filename, folder, f"artifact {name!r}")
     local = Path(os.path.expanduser(name))
     if local.is_dir():
@@ -113,6 +113,9 @@ def load_artifact(cls, repo_or_path, *, subfolder=None, revision=None, cache_dir
             tensors = load_file(str(tensors_path))
         except (SafetensorError, OSError) as e:
             raise _fail(where, f"{TENSORS_NAME} is not a readable safetensors file: {e}") from e
+        except MemoryError:  # its header was checked: the tensors config.json lists do not fit in memory here
+            raise _fail(where, f"not enough memory to load {TENSORS_NAME} ({tensors_path.stat().st_size} bytes) "
+                               "in this process (an address-space or memory limit?).") from None
     return decode_payload(cls, artifact_config, tensors, where, overrides, model_config=config)
 
 

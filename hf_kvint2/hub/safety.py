@@ -8,12 +8,15 @@ with :class:`ArtifactError` (a ``ValueError``) whose message names the file, the
 * a file that is not a regular file (a FIFO, ``/dev/zero``, a directory) or a symlink that resolves outside the
   artifact's folder (the Hub cache's ``snapshots/<rev>/<file> -> ../../blobs/<sha>`` links are inside its repo
   folder and keep working) - :func:`regular_file`;
-* a ``config.json`` larger than :data:`MAX_CONFIG_BYTES` or nested deeper than :data:`MAX_JSON_DEPTH` -
-  :func:`read_json`;
-* a ``model.safetensors`` whose header declares tensors the config does not, other shapes, or more bytes than the
-  file holds - :func:`check_safetensors_header`;
-* a RotationZoo ``.pt`` whose zip index declares storages larger than the rotations it may hold -
-  :func:`check_zoo_archive`.
+* a ``config.json`` larger than :data:`MAX_CONFIG_BYTES`, nested deeper than :data:`MAX_JSON_DEPTH`, holding a
+  number Python will not read (an integer of more than 4300 digits) or a string that is not Unicode text (a lone
+  surrogate, which cannot be written back) - :func:`read_json`;
+* a ``model.safetensors`` whose header is over :data:`MAX_SAFETENSORS_HEADER_BYTES`, declares tensors the config
+  does not, other shapes, or byte ranges that do not tile the file exactly (a gap, an overlap, bytes past the last
+  tensor, or more bytes than the file holds) - :func:`check_safetensors_header`;
+* a RotationZoo ``.pt`` whose zip index declares a storage larger than a rotation, more bytes than the model's
+  rotations (or, without the model's config, :data:`MAX_ZOO_BYTES`), or entries that inflate beyond the bytes they
+  occupy (``torch.save`` stores tensors uncompressed) - :func:`check_zoo_archive`.
 
 :func:`write_file` writes through a temporary file and ``os.replace``, so a symlink already in the target folder
 (a cloned artifact repo) is replaced, never written through.
@@ -33,10 +36,13 @@ from ..settings import MAX_HEAD_DIM
 
 MAX_CONFIG_BYTES = 8 << 20  # an artifact's config.json is a few kB; per-layer lists of large models stay far below
 MAX_JSON_DEPTH = 32  # the format nests 4 deep (config -> layers -> entry -> layout)
-MAX_SAFETENSORS_HEADER_BYTES = 16 << 20
+MAX_SAFETENSORS_HEADER_BYTES = 16 << 20  # an artifact's header is one short entry per tensor: a few kB
 # Sanity bounds on model shapes an artifact may declare (today's largest models: head_dim 256, 128 layers).
 MAX_LAYERS = 4096
 MAX_KV_HEADS = 4096
+# What a RotationZoo import may read when the model's config does not bound it: float64 rotations and eigenvalues
+# of 128 layers at head_dim 512, or 512 layers at head_dim 256 (today's models: head_dim <= 256, <= 128 layers).
+MAX_ZOO_BYTES = 256 << 20
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                          "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -120,32 +126,57 @@ def _read_bounded(path: Path, limit: int, where: str) -> bytes:
     return data
 
 
-def _depth(value) -> int:
-    deepest, stack = 0, [(value, 1)]
+def _walk(value) -> tuple[int, str | None]:
+    """Nesting depth of a JSON value, and the path of its first string (key or value) that is not Unicode text (a
+    lone surrogate: JSON's ``\\udc80`` escape makes one, UTF-8 cannot hold it), or None."""
+    deepest, bad, stack = 0, None, [(value, 1, "")]
     while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
+        v, d, path = stack.pop()
+        if isinstance(v, dict):
             deepest = max(deepest, d)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
+            for k, c in v.items():
+                if bad is None and not _is_text(k):
+                    bad = f"{path}.{k!a}" if path else f"{k!a}"
+                stack.append((c, d + 1, f"{path}.{k}" if path else str(k)))
+        elif isinstance(v, list):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1, f"{path}[{i}]") for i, c in enumerate(v))
+        elif isinstance(v, str) and bad is None and not _is_text(v):
+            bad = path or "the top level"
+    return deepest, bad
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_json(path, where: str, limit: int = MAX_CONFIG_BYTES) -> object:
-    """A JSON file read with a size cap and a nesting-depth cap."""
+    """A JSON file read with a size cap and a nesting-depth cap; every string in it must be Unicode text."""
     path = Path(path)
     data = _read_bounded(path, limit, where)
+    bad = None
     try:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArtifactError(f"{where}: {path.name} is not valid JSON: {e}") from e
     except RecursionError:
-        value = None
         depth = MAX_JSON_DEPTH + 1
+    except ValueError as e:  # json turns digits into int: over sys.get_int_max_str_digits() digits it refuses
+        raise ArtifactError(f"{where}: {path.name} holds a number Python refuses to read ({e}); an artifact's "
+                            "numbers are small. Is this the right file?") from None
     else:
-        depth = _depth(value)
+        depth, bad = _walk(value)
     if depth > MAX_JSON_DEPTH:
         raise ArtifactError(f"{where}: {path.name} nests deeper than {MAX_JSON_DEPTH} levels; an artifact's config "
                             "nests 4. Is this the right file?")
+    if bad is not None:
+        raise ArtifactError(f"{where}: {path.name} key {bad} holds a string with a lone surrogate (a \\ud800-\\udfff "
+                            "escape not part of a pair), which is not Unicode text and could not be saved again. "
+                            "Fix the string in the file.")
     return value
 
 
@@ -180,13 +211,18 @@ def check_safetensors_header(path, expected: dict[str, tuple[int, ...]], where: 
             raise ArtifactError(f"{where}: {name} is not a readable safetensors file (truncated to {size} bytes); "
                                 "re-download or re-save the artifact.")
         (n,) = struct.unpack("<Q", head)
-        if n > min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+        if n > MAX_SAFETENSORS_HEADER_BYTES:
+            raise ArtifactError(f"{where}: {name} is not a readable safetensors file: it declares a {n}-byte "
+                                f"header, more than the {MAX_SAFETENSORS_HEADER_BYTES} bytes hf_kvint2 reads (an "
+                                "artifact's header is a few kB, one short entry per tensor). Is this the right file? "
+                                "Re-download or re-save the artifact.")
+        if n > size - 8:
             raise ArtifactError(f"{where}: {name} is not a readable safetensors file (it declares a {n}-byte header "
                                 f"in a {size}-byte file: truncated?); re-download or re-save the artifact.")
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, or an integer of more than 4300 digits
         raise ArtifactError(f"{where}: {name} is not a readable safetensors file (unreadable header: "
                             f"{type(e).__name__}); re-download or re-save the artifact.") from None
     if not isinstance(header, dict):
@@ -197,7 +233,7 @@ def check_safetensors_header(path, expected: dict[str, tuple[int, ...]], where: 
     if unexpected:
         raise ArtifactError(f"{where}: {name} has tensors that config.json does not list: {unexpected[:5]}. The two "
                             "files do not belong together; re-download or re-save the artifact.")
-    data_bytes = size - 8 - n
+    data_bytes, ranges = size - 8 - n, []
     for key, entry in header.items():
         want = expected[key]
         if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list) or \
@@ -218,31 +254,58 @@ def check_safetensors_header(path, expected: dict[str, tuple[int, ...]], where: 
             raise ArtifactError(f"{where}: {name} is not a readable safetensors file: tensor {key!r} declares bytes "
                                 f"{start}..{end}, which do not fit its shape or the {size}-byte file (truncated?); "
                                 "re-download or re-save the artifact.")
+        ranges.append((start, end, key))
+    # The tensors tile the data exactly (the safetensors format has no gaps and no trailing bytes): whatever the
+    # header does not account for would still be mapped by the loader (a long sparse tail exhausts address space).
+    position = 0
+    for start, end, key in sorted(ranges):
+        if start != position:
+            raise ArtifactError(f"{where}: {name} is not a readable safetensors file: tensor {key!r} starts at data "
+                                f"byte {start}, but the tensors before it end at {position} (a gap or an overlap); "
+                                "re-download or re-save the artifact.")
+        position = end
+    if position != data_bytes:
+        raise ArtifactError(f"{where}: {name} has {data_bytes - position} bytes after its last tensor (the {size}-byte "
+                            f"file's tensors end at byte {8 + n + position}); a safetensors file ends with its last "
+                            "tensor. Re-download or re-save the artifact.")
 
 
 def check_zoo_archive(path, where: str, head_dim: int | None = None, num_layers: int | None = None) -> None:
-    """Check a RotationZoo ``.pt`` (a ``torch.save`` zip) before ``torch.load``: every storage its zip index
-    declares fits a float64 ``[d, d]`` rotation (``d`` the model's ``head_dim``, else :data:`MAX_HEAD_DIM`), and
-    all of them together fit ``num_layers`` (else :data:`MAX_LAYERS`) layers of rotation + eigenvalues."""
+    """Check a RotationZoo ``.pt`` (a ``torch.save`` zip) before ``torch.load``, from its zip index alone (what
+    ``torch.load`` allocates is what the index declares):
+
+    * no entry inflates beyond the bytes it occupies in the file (``torch.save`` stores tensors uncompressed; a
+      deflated entry lets a small file declare gigabytes of zeros);
+    * every storage fits a float64 ``[d, d]`` rotation (``d`` the model's ``head_dim``, else :data:`MAX_HEAD_DIM`);
+    * all entries together fit ``num_layers`` layers of float64 rotations + eigenvalues of the model's config, or
+      :data:`MAX_ZOO_BYTES` without it.
+    """
     path = Path(path)
     d = head_dim or MAX_HEAD_DIM
     per_storage = 8 * d * d
-    total_cap = 8 * (d * d + d) * (num_layers or MAX_LAYERS) + (1 << 20)
+    total_cap = 8 * (d * d + d) * num_layers + (1 << 20) if head_dim and num_layers else MAX_ZOO_BYTES
     try:
         with zipfile.ZipFile(path) as archive:
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise ArtifactError(f"{where}: {path.name} is not a torch.save zip archive ({e}); RotationZoo files are "
                             "written with torch.save (PyTorch >= 1.6). Re-save it with torch.save.") from None
-    total = 0
     for entry in entries:
-        total += entry.file_size
         if "/data/" in entry.filename and entry.file_size > per_storage:
             raise ArtifactError(f"{where}: {path.name} declares a {entry.file_size}-byte tensor "
                                 f"({entry.filename}), larger than a [{d}, {d}] float64 rotation "
                                 f"({'the model' if head_dim else 'the largest supported'} head_dim {d}); refusing to "
                                 "load it. Is this the RotationZoo for this model?")
+    for entry in entries:
+        if entry.file_size > entry.compress_size:
+            raise ArtifactError(f"{where}: {path.name} stores {entry.filename} compressed ({entry.compress_size} "
+                                f"bytes that inflate to {entry.file_size}); torch.save stores tensors uncompressed. "
+                                "Refusing to load it; re-save the rotations with torch.save.")
+    total = sum(entry.file_size for entry in entries)
     if total > total_cap:
-        raise ArtifactError(f"{where}: {path.name} declares {total} bytes of data, more than "
-                            f"{num_layers or MAX_LAYERS} layers of [{d}, {d}] rotations hold; refusing to load it. Is "
-                            "this the RotationZoo for this model?")
+        bound = (f"{num_layers} layers of [{d}, {d}] float64 rotations and eigenvalues (the model config's shapes)"
+                 if head_dim and num_layers else
+                 f"the {MAX_ZOO_BYTES} bytes an import reads without the model's config (pass config=model.config "
+                 "to bound it by the model's shapes instead)")
+        raise ArtifactError(f"{where}: {path.name} declares {total} bytes of data, more than {bound}; refusing to "
+                            "load it. Is this the RotationZoo for this model?")
