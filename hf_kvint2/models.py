@@ -118,6 +118,9 @@ def _load_cached(name: str, model_id: str, gguf_path, dtype: torch.dtype, attn_i
             tmp.replace(copy)
     tokenizer = AutoTokenizer.from_pretrained(copy)
     model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype, **kwargs)
+    # transformers names a model by the folder it was loaded from; this one is model_id's weights (what its bundled
+    # artifact records as base_model), so the artifact's check finds the model it was calibrated for.
+    model.config.name_or_path = model_id
     model.eval()
     return model, tokenizer
 

@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import warnings
 import zipfile
 from contextlib import contextmanager
 
@@ -570,6 +571,27 @@ def test_safetensors_bytes_outside_the_tensors_are_refused(saved, tmp_path, dama
         assert result["outcome"].startswith("ArtifactError") and re.search(message, result["outcome"]), result
 
 
+def test_bundled_gemma3_copy_is_named_as_the_model_its_artifact_was_calibrated_for(tmp_path, monkeypatch):
+    """The bundled Gemma 3 loads from a local copy (transformers names it by the copy's folder, gemma3-270m): with
+    its bundled artifact it used to warn that the artifact was calibrated for another model."""
+    import transformers
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from hf_kvint2 import hub, models
+
+    torch.manual_seed(0)  # the shapes and layer plan of Gemma 3 270M, tiny otherwise
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=18,
+                              num_attention_heads=1, num_key_value_heads=1, head_dim=256, sliding_window=32)
+    Gemma3ForCausalLM(config).save_pretrained(tmp_path / "gemma3-270m")
+    monkeypatch.setattr(models, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)  # no tokenizer saved
+    model, _ = models.load_gemma3()
+    assert model.config.name_or_path == models.GEMMA3_MODEL_ID
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OscarCache.from_pretrained(hub.GEMMA3_ARTIFACT_ID, config=model.config)
+
+
 def test_errors_say_how_hf_kvint2_is_really_updated(saved, tmp_path, monkeypatch):
     """hf_kvint2 is not on PyPI: the advice is to update or reinstall it from its source."""
     from hf_kvint2 import hub
@@ -583,3 +605,23 @@ def test_errors_say_how_hf_kvint2_is_really_updated(saved, tmp_path, monkeypatch
         message = str(error.value)
         assert "pip install -U" not in message and "hf-kvint2 " not in message
         assert "hf_kvint2 from the source you installed it from" in message, message
+
+
+def test_portable_path_warning_waits_until_the_attention_could_claim_the_layer(models, monkeypatch):
+    """A static cache's first step goes out before the "oscar" attention has claimed its layers: on a model loaded
+    with attn_implementation="oscar" it used to warn that it should be loaded so. Another attention still gets
+    the warning, at the step after."""
+    from hf_kvint2 import steps
+
+    oscar, sdpa = models
+    for model, warns in ((oscar, False), (sdpa, True)):
+        monkeypatch.setitem(steps._portable_warning, "issued", False)
+        static = StaticOscarCache.from_cache(OscarScaledCache(sink_tokens=0, recent_tokens=4, group_size=4),
+                                             model.config, 64)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            model(IDS[:1, :12], past_key_values=static)  # 12 tokens: the body holds 8 after this first step
+            assert static.layers[0]._body_tokens_now() > 0
+            model(IDS[:1, 12:13], past_key_values=static)
+        ours = [str(w.message) for w in caught if "portable attention path" in str(w.message)]
+        assert len(ours) == warns, ours
