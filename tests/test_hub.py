@@ -574,3 +574,16 @@ def test_layers_sharing_one_tensor_save_and_load(tmp_path):
                        recent_tokens=8)
     loaded = OscarCache.from_pretrained(cache.save_pretrained(tmp_path))
     assert all(torch.equal(r, hadamard) for r in loaded.calibration.k_rotations + loaded.calibration.v_rotations)
+
+
+def test_layouts_without_tensors_round_trip(model, input_ids, tmp_path):
+    """Calibrated layouts with the built-in Hadamard and no means are saved without model.safetensors (there is
+    nothing to put in it), and load from what was saved."""
+    cache = OscarCache(layer_layouts=[(GroupLayout("token", 16, 0.9), GroupLayout("channel", 8))] * LAYERS,
+                       sink_tokens=4, recent_tokens=8)
+    expected = chunked_logits(model, cache, input_ids)
+    folder = cache.save_pretrained(tmp_path)
+    assert not (folder / "model.safetensors").exists()
+    loaded = OscarCache.from_pretrained(folder)
+    assert loaded.calibration.layer_layouts == cache.calibration.layer_layouts
+    assert torch.equal(chunked_logits(model, loaded, input_ids), expected)

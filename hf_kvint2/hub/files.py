@@ -106,9 +106,11 @@ def load_artifact(cls, repo_or_path, *, subfolder=None, revision=None, cache_dir
     artifact_config = safety.read_json(config_path, where)
     _check_header(cls, artifact_config, f"{where}, {CONFIG_NAME}")
     tensors = {}
-    if artifact_config.get("layers"):
+    # layers with layouts and no tensors (Hadamard rotations, not centred) are saved without model.safetensors
+    expected = expected_tensor_shapes(artifact_config, config, where) if artifact_config.get("layers") else {}
+    if expected:
         tensors_path = resolve_file(repo_or_path, TENSORS_NAME, **common)
-        safety.check_safetensors_header(tensors_path, expected_tensor_shapes(artifact_config, config, where), where)
+        safety.check_safetensors_header(tensors_path, expected, where)
         try:
             tensors = load_file(str(tensors_path))
         except (SafetensorError, OSError) as e:
