@@ -9,6 +9,7 @@ close within the bound. Derandomized with a fixed example budget, so CI runs the
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import DynamicLayer
 
-from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2 import GroupLayout, OscarCache, OscarScaledCache
 from hf_kvint2.quant import dequantize_int2, quantize_int2
 
 CI = settings(max_examples=300, derandomize=True, deadline=None, database=None,
@@ -174,3 +175,38 @@ def test_layer_follows_dynamic_cache_through_update_crop_reorder_select(case):
         if layer.is_initialized and layer.body_len:
             k, v = layer.dequantized_body()
             assert torch.isfinite(k).all() and torch.isfinite(v).all()
+
+
+# ---------------------------------------------------------------------------------------------- layout fields
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                      max_size=3), max_leaves=5)
+LAYOUT_FIELDS = ["axis", "group_size", "clip", "token_scaling", "range_clip"]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None)
+@given(st.sampled_from(LAYOUT_FIELDS), JSON_VALUES | st.sampled_from(["token", "channel", 1, 8, 0.5, 1.0, True]))
+def test_a_layout_field_of_any_json_value_is_refused_or_has_its_declared_type(name, value):
+    """Any JSON value in any GroupLayout field (what config.json can hold): a ValueError, or a layout whose fields
+    all have their declared types and ranges and that reads back from the artifact format as itself."""
+    from hf_kvint2.hub.artifact import _layout_from_json, _layout_to_json
+    from hf_kvint2.quant import AXES
+    from hf_kvint2.settings import SETTING_BOUNDS
+
+    axis = {"axis": value} if name == "axis" else {"axis": "channel" if name == "range_clip" else "token"}
+    try:
+        layout = GroupLayout(**{**axis, name: value})
+    except ValueError as e:
+        assert name in str(e) and repr(value)[:20] in str(e)
+        return
+    assert type(layout.axis) is str and layout.axis in AXES
+    assert type(layout.group_size) is int and layout.group_size > 0
+    for ratio in (layout.clip, layout.range_clip):
+        assert ratio is None or (type(ratio) in (int, float) and 0 < ratio <= 1)
+    assert type(layout.token_scaling) is bool
+    stored = json.loads(json.dumps(_layout_to_json(layout)))
+    if layout.group_size <= SETTING_BOUNDS["group_size"]:
+        assert _layout_from_json(stored, "test") == layout
+    else:  # Python settings are not bounded; an artifact's are (the static caches allocate a group's tokens)
+        with pytest.raises(ValueError, match="group_size must be an integer in"):
+            _layout_from_json(stored, "test")
