@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -68,13 +67,15 @@ def test_unknown_attribute_is_an_attribute_error():
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: Path(s[-1]).name)
-def test_help_prints_in_under_two_seconds(script):
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, *script, "--help"], check=False, capture_output=True, text=True, cwd=ROOT)
-    seconds = time.perf_counter() - start
+def test_help_prints_at_once(script):
+    # At once: --help loads none of the heavy modules (torch alone takes seconds to import on a busy machine).
+    out = subprocess.run([sys.executable, "-X", "importtime", *script, "--help"], check=False, capture_output=True,
+                         text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
-    assert seconds < 2.0, f"{script[-1]} --help took {seconds:.1f} s"
+    modules = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    heavy = [m for m in modules if HEAVY.match(m)]
+    assert not heavy, f"{script[-1]} --help imported {heavy[:10]}"
     assert not re.search(r"SPEC \d|issue \d", out.stdout), "help text names an internal document"
 
 
