@@ -46,21 +46,21 @@ def layer_worker(steps: int) -> dict:
     import torch
     from speedlib import fill_cache, interleaved_rounds, make_cache, synthetic_config
 
-    from hf_kvint2 import cpu_kernels
+    from hf_kvint2.cpu_kernels import calls
 
     cfg = synthetic_config(num_hidden_layers=1)  # one layer of the synthetic model
     kv_heads, heads, d = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     g = torch.Generator().manual_seed(0)
     # the compiled kernel's own time inside the attention (the rest of the step is serial Python and torch)
     kernel_us = []
-    run_kernel = cpu_kernels._run_kernel
+    run_kernel = calls._run
 
     def timed_kernel(*args):
         t = time.perf_counter()
         run_kernel(*args)
         kernel_us.append((time.perf_counter() - t) * 1e6)
 
-    cpu_kernels._run_kernel = timed_kernel
+    calls._run = timed_kernel
     out = {}
     for kind in KINDS:
         cache = make_cache(kind, cfg)
@@ -96,7 +96,7 @@ def layer_worker(steps: int) -> dict:
         out[f"{kind}_median"] = {str(t): statistics.median(v) for t, v in times.items()}
         out[f"{kind}_parts"] = {str(t): {p: statistics.mean(v[WARMUP_STEPS:]) for p, v in ps.items()}
                                 for t, ps in parts.items()}
-    cpu_kernels._run_kernel = run_kernel
+    calls._run = run_kernel
     return out
 
 

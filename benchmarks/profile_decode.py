@@ -23,8 +23,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # largest cumulative time among the matches: an inner frame of the same name is part of it)
 GROUPS = (
     ("model linear layers (torch.nn.functional.linear)", lambda k: k[2] == "<built-in method torch._C._nn.linear>"),
-    ("Numba body kernel", lambda k: k[0].endswith("cpu_kernels.py") and k[2] == "kernel"),
-    ("kernel wrapper (cpu_kernels.layer_step_attention, incl. kernel)", lambda k: k[0].endswith("cpu_kernels.py")
+    ("Numba body kernel", lambda k: k[0].endswith("cpu_kernels/kernel.py") and k[2] == "attend"),
+    ("kernel wrapper (cpu_kernels.layer_step_attention, incl. kernel)", lambda k: k[0].endswith("cpu_kernels/calls.py")
      and k[2] in ("layer_step_attention", "body_attention")),
     ("fused attention (steps.LayerStep.attend, incl. wrapper and kernel)", lambda k: k[0].endswith("steps.py")
      and k[2] == "attend"),

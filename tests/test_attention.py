@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_kvint2
 from hf_kvint2 import OscarCache, OscarScaledCache, attention, backends, cpu_kernels, read_path, steps
+from hf_kvint2.cpu_kernels import calls as cpu_calls
 from hf_kvint2.layers import OscarLayer
 from hf_kvint2.recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
 
@@ -382,23 +383,23 @@ def test_window_arrays_are_kept_per_tensor_and_never_stale():
     the sink (``whole``) is never read past its own length; anything else is a float32 copy; the view of a tensor
     leaves with it (a new tensor at a reused address gets its own)."""
     buf = torch.randn(1, 2, 8, 4)
-    kept = cpu_kernels._window_array(buf.narrow(2, 0, 3))
-    assert kept is cpu_kernels._window_array(buf.narrow(2, 0, 5)) and kept.shape == (1, 2, 8, 4)
+    kept = cpu_calls._window_array(buf.narrow(2, 0, 3))
+    assert kept is cpu_calls._window_array(buf.narrow(2, 0, 5)) and kept.shape == (1, 2, 8, 4)
     assert kept.ctypes.data == buf.data_ptr()
     buf[0, 0, 4] = 7.0  # appended in place: seen through the kept view
     assert (kept[0, 0, 4] == 7.0).all()
     sink = buf.narrow(2, 0, 3)
-    assert cpu_kernels._window_array(sink, whole=True).shape == (1, 2, 3, 4)
+    assert cpu_calls._window_array(sink, whole=True).shape == (1, 2, 3, 4)
     for x in (buf.narrow(2, 2, 3), buf[:, :1, :3], buf.narrow(2, 0, 3).to(torch.bfloat16),
               buf.narrow(2, 0, 3).clone().requires_grad_()):  # not a leading view, other dtypes, gradients: copies
-        got = cpu_kernels._window_array(x, whole=True)
+        got = cpu_calls._window_array(x, whole=True)
         assert got.shape == tuple(x.shape) and (got == x.detach().float().numpy()).all()
     for i in range(64):  # short-lived tensors, whose addresses are reused
         t = torch.full((1, 1, 2, 4), float(i))
-        assert (cpu_kernels._window_array(t, whole=True) == i).all()
+        assert (cpu_calls._window_array(t, whole=True) == i).all()
         del t
-    assert all(entry[0]() is not None for entry in cpu_kernels._HELD_ARRAYS.values())
-    assert len(cpu_kernels._HELD_ARRAYS) < 64
+    assert all(entry[0]() is not None for entry in cpu_calls._HELD_ARRAYS.values())
+    assert len(cpu_calls._HELD_ARRAYS) < 64
 
 
 def test_stream_read_is_kept_until_the_stream_changes():

@@ -335,13 +335,16 @@ def test_kernel_reads_every_stored_16_bit_value_exactly(dtype):
     """The body kernel widens stored scales/offsets/norms from their 16-bit bits in registers: every one of the
     65536 bit patterns reads back as torch's float32 value of it, bit for bit (signed zeros, subnormals, the
     largest values; NaN as NaN)."""
+    from hf_kvint2.cpu_kernels import bits as kernel_bits
+
     bits = np.arange(-32768, 32768, dtype=np.int32).astype(np.int16)
     want = torch.from_numpy(bits.copy()).view(dtype).float().numpy()
-    kind = cpu_kernels._SCALE_KINDS[dtype]
-    got = np.array([cpu_kernels._stored_value(b, kind) for b in bits], np.float32)
+    kind = kernel_bits.SCALE_KINDS[str(dtype).removeprefix("torch.")]
+    got = np.empty(len(bits), np.float32)
+    kernel_bits.widen(bits, got, kind)
     finite = np.isfinite(want)
     assert np.array_equal(got[finite].view(np.int32), want[finite].view(np.int32))
     assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(np.isinf(got), np.isinf(want))
     if dtype == torch.float16:  # the variant for CPUs without F16C, on the finite values the write path stores
-        portable = np.array([cpu_kernels._float32_from_half_bits_portable(b) for b in bits[finite]], np.float32)
+        portable = np.array([kernel_bits.float32_from_half_bits_portable(b) for b in bits[finite]], np.float32)
         assert np.array_equal(portable.view(np.int32), want[finite].view(np.int32))
