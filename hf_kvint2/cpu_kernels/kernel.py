@@ -64,16 +64,11 @@ if NUMBA:
     from .values import channel_value_sums, token_value_sums, token_value_sums_any
     from .windows import merge_step, rotate_query, window_partial
 
-    @njit
+    @njit(inline="always")
     def split_key_scores(scores, part_m, q, bias, keys, tables, qsum, b, h, t0, live_rows, d4, width, fast_a, fast_b,
                          fast_c):
         """A split's scores [ns, RP] (tokens t0 ..) of query rows ``q [RP, D]`` with ``bias [RP]``; per-token keys
         also set the rows' max score ``part_m [RP]``. Returns whether they did."""
-        numba.literally(d4)
-        numba.literally(width)
-        numba.literally(fast_a)
-        numba.literally(fast_b)
-        numba.literally(fast_c)
         ns = scores.shape[0]
         k_norm = stored_norms(keys.norm[b], t0, ns if keys.norm.shape[1] > 0 else 0, keys.kind)
         k_codes = keys.codes[b, h, t0:t0 + ns]
@@ -99,14 +94,9 @@ if NUMBA:
         channel_key_scores_split(scores, q, bias, k_codes, k_scale, k_lo, norm, keys.group, live_rows, d4, width)
         return False
 
-    @njit
+    @njit(inline="always")
     def split_value_sums(weights, values, b, h, t0, live_rows, acc, l_out, d4, width, fast_a, fast_b, fast_c):
         """A split's value sum ``acc [RP, D]`` and weight sum ``l_out [RP]`` from its weights [ns, RP]."""
-        numba.literally(d4)
-        numba.literally(width)
-        numba.literally(fast_a)
-        numba.literally(fast_b)
-        numba.literally(fast_c)
         ns = weights.shape[0]
         v_norm = stored_norms(values.norm[b], t0, ns if values.norm.shape[1] > 0 else 0, values.kind)
         v_codes = values.codes[b, h, t0:t0 + ns]
@@ -127,7 +117,7 @@ if NUMBA:
             else:
                 token_value_sums(weights, v_codes, v_scale, v_lo, v_norm, live_rows, acc, l_out, d4, fast_c, width)
 
-    @njit
+    @njit(inline="always")
     def split_partial(q, bias, keys, values, mask, tables, qsum, b, h, t0, t1, live_rows, part_m, part_l, part_acc,
                       d4, width, fast_a, fast_b, fast_c):
         """One parallel task: the partial attention of query rows ``q [RP, D]`` (``bias [RP]``) over body tokens
@@ -141,7 +131,7 @@ if NUMBA:
         split_weights(scores, part_m, max_taken and mask.add.shape[1] == 0)
         split_value_sums(scores, values, b, h, t0, live_rows, part_acc, part_l, d4, width, fast_a, fast_b, fast_c)
 
-    @njit
+    @njit(inline="always")
     def body_output(m, total, acc, out):
         """A body-only row: its value sum normalised into ``out`` [D]; returns the log-sum-exp (a row that attends
         nothing: zeros, -inf)."""
@@ -153,12 +143,10 @@ if NUMBA:
         out[:] = 0.0
         return np.float32(-np.inf)
 
-    @njit
+    @njit(inline="always")
     def step_output(q, windows, mask, n, b, h, row, scaling, m, total, acc, out, d, width):
         """A layer step's row: the body's merged partial (m, total, acc) with the two windows' partials, in the
         original space, into ``out`` [D]; returns the log-sum-exp. ``d`` and ``width`` are literals."""
-        numba.literally(d)
-        numba.literally(width)
         parts_m, parts_l = np.empty(3, np.float32), np.empty(3, np.float32)
         parts_acc = np.empty((3, d), np.float32)
         query_row = row % mask.query_len
