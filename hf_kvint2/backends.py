@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from . import cpu_kernels, kernels
 from .read_path import BodyPartial, body_partial_blocked
-from .recipes import oscar_recipe, oscar_scaled_recipe
-from .stream import QuantizedStream, StreamCodec
-from .transforms import block_hadamard_matrix
 
 CPU_KERNEL_ENV = "HF_KVINT2_CPU_KERNEL"  # "torch" forces the PyTorch body on CPU (default: Numba when installed)
 
@@ -70,39 +67,22 @@ def select_body_partial(device, traceable: bool = False, differentiable: bool = 
     return BODY_BACKENDS["torch"]
 
 
-def precompile_cpu_kernels(head_dims=(64, 128)) -> list[tuple]:
-    """Compile (or load from Numba's disk cache) the CPU body kernel and its layer-step variant for the default
-    layouts of ``OscarCache`` and ``OscarScaledCache`` at each head_dim, so that the first fused step of a model
-    does not wait for them (and the update's NaN/Inf check). Returns the (head_dim, key layout, value layout)
-    compiled. ``python -m hf_kvint2.backends`` runs it."""
+def describe() -> list[str]:
+    """A line per registered backend: its device, whether it is available here, and where it is selected."""
     import torch
 
-    if not cpu_kernels.available():
-        raise ImportError("The CPU kernel needs numba: pip install 'numba>=0.59' (the clone's '.[cpu]' extra).")
-    done = []
-    for d in head_dims:
-        for recipe in (oscar_recipe(), oscar_scaled_recipe()):
-            streams = []
-            for layout in (recipe.key, recipe.value):
-                group = layout.group_for(d)
-                codec = StreamCodec(replace(layout, group_size=group), group,
-                                    block_hadamard_matrix(d), None, recipe.scale_dtype)
-                stream = QuantizedStream(codec)
-                for _ in range(2):  # a first append, then one into the buffers (a decode step's demotion)
-                    stream.append(torch.randn(1, 1, max(group, 4), d))
-                streams.append(stream.read())
-            cpu_kernels.body_attention(torch.randn(1, 1, 1, d), *streams, scaling=d ** -0.5)
-            window = (torch.randn(1, 1, 2, d), torch.randn(1, 1, 2, d))
-            cpu_kernels.layer_step_attention(torch.randn(1, 1, 1, d), window, *streams, window, scaling=d ** -0.5)
-            done.append((d, recipe.key, recipe.value))
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # the update's NaN/Inf check, as attention passes K/V
-        kv = torch.zeros(1, 2, 1, 4, dtype=dtype).transpose(1, 2)
-        cpu_kernels.all_finite(kv, kv)
-        cpu_kernels.all_finite(kv.contiguous(), kv.contiguous())
-    return done
+    selected = {select_body_partial(torch.device(t)).name: t for t in ("cuda", "cpu")}
+    return [f"{b.name}: {b.device_type or 'any'} device, {'available' if b.available() else 'not available'}"
+            + (f", selected for {selected[b.name]} queries" if b.name in selected else "")
+            + (", also runs a dynamic layer's whole step" if b.layer_step is not None else "")
+            for b in BODY_BACKENDS.values()]
 
 
 if __name__ == "__main__":
-    for d, key, value in precompile_cpu_kernels():
-        print(f"compiled the CPU body kernel: head_dim={d}, keys {key.axis}/{key.group_size}, values "
-              f"{value.axis}/{value.group_size}")
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m hf_kvint2.backends",
+                            description="List the body-partial backends and which one each device gets "
+                                        f"({CPU_KERNEL_ENV}=torch forces the PyTorch one on CPU). To compile the "
+                                        "CPU kernels ahead of their first use: python -m hf_kvint2.precompile.").parse_args()
+    print("\n".join(describe()))

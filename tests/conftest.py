@@ -14,22 +14,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
-
-
-def pytest_sessionstart(session):
-    """Compile the Numba CPU body kernels the tests use once, in a subprocess, before any test runs (warm_cpu_kernels.py). Measured here: the code a
-    process JIT-compiles for itself and the code later processes load from Numba's disk cache differ in the last
-    bits (fastmath; 2.3e-5 on SmolLM2's top-32 logits for OScaR's per-channel keys). tests/test_exactness.py pins
-    what the cached kernel computes, which is what every process but the first runs."""
-    import importlib.util
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("numba") is not None:
-        here = Path(__file__).resolve().parent
-        subprocess.run([sys.executable, str(here / "warm_cpu_kernels.py")], check=True, cwd=here)
-
 TINY_VOCAB = 128
 
 

@@ -631,3 +631,22 @@ def test_portable_path_warning_waits_until_the_attention_could_claim_the_layer(m
             model(IDS[:1, 12:13], past_key_values=static)
         ours = [str(w.message) for w in caught if "portable attention path" in str(w.message)]
         assert len(ours) == warns, ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["oscar", "oscar-scaled"])
+def test_float32_scales_work_with_the_fused_attention(models, kind, dtype):
+    """scale_dtype=torch.float32 (documented, and what the float16-overflow error recommends) with the fused "oscar"
+    attention: every step reads the INT2 body through the CPU kernel on float32 scales, for every model dtype, and
+    agrees with the portable path (the same stored body, read by PyTorch)."""
+    oscar, sdpa = (copy.deepcopy(m).to(dtype) for m in models)
+    make = {"oscar": lambda: OscarCache(sink_tokens=2, recent_tokens=4, scale_dtype=torch.float32),
+            "oscar-scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=4, group_size=8,
+                                                     scale_dtype=torch.float32)}[kind]
+    with torch.no_grad():
+        got, want = run_chunks(oscar, make(), chunk=1), run_chunks(sdpa, make(), chunk=1)
+    # 16-bit models round each layer's attention output to their dtype, where the two paths' float32 sums (taken in
+    # another order) may land on neighbouring 16-bit values, and the difference travels through the rest of the model:
+    # with the default float16 scales too, up to 0.12 (bfloat16) and 0.06 (float16) on logits of magnitude ~3
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)

@@ -21,8 +21,9 @@ LAZY_ALLOWED = {"hf_kvint2.kernels.decode_attention", "hf_kvint2.kernels.quantiz
                 "hf_kvint2.kernels.reference"}
 # Modules that import first-party modules inside functions on purpose: ``import hf_kvint2`` loads neither torch nor
 # transformers, so the "oscar" registration imports hf_kvint2.attention only once transformers' model code loads;
-# the demo parses its arguments (and prints --help) before it loads torch, transformers and the caches.
-LAZY_IMPORTERS = {"hf_kvint2.registration", "hf_kvint2.demo"}
+# the demo and the precompile command parse their arguments (and print --help) before they load torch,
+# transformers and the caches.
+LAZY_IMPORTERS = {"hf_kvint2.registration", "hf_kvint2.demo", "hf_kvint2.precompile"}
 
 
 def module_files() -> dict[str, Path]:

@@ -306,9 +306,10 @@ def test_compiled_token_quantizer_is_bit_identical_to_the_torch_ops(scale_dtype)
     """cpu_kernels.quantize_token_groups (the write path's one-call clip + quantize on CPU) stores exactly what
     clip_rows + quantize_int2 store: codes, scale bits and offset bits, over many random tokens of every
     magnitude (fp16 subnormal scales, rounding ties of the scale dtype), with and without clipping (quantiles
-    near 1, taken from the row's few largest |x|, and lower ones, from the sorted row), constant groups included."""
+    near 1, taken from the row's few largest |x|, and lower ones, from the sorted row), constant groups included,
+    groups of fewer channels than a byte holds."""
     gen = torch.Generator().manual_seed(7)
-    for d, group in ((64, 64), (64, 32), (128, 128), (16, 16)):
+    for d, group in ((64, 64), (64, 32), (128, 128), (16, 16), (16, 2)):  # 2: groups within a byte
         for ties in (False, True):
             x = _random_float_bits(2 * 3 * 200 * d, gen, ties).reshape(2, 3, 200, d)
             x[0, 0, :3] = 1.25  # constant groups: scale 0, code 0

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Modules `import hf_kvint2` must not load: model code, JIT compilers, ONNX, the Hub client (and torch itself,
 # which every one of them needs).
 HEAVY = re.compile(r"^(torch|transformers|numba|llvmlite|triton|onnx\w*|huggingface_hub)(\.|$)")
-SCRIPTS = [["-m", "hf_kvint2.demo"], *[[str(p)] for p in sorted((ROOT / "benchmarks").glob("**/*.py"))
-                                         if p.parent.name != "speedlib"],
+SCRIPTS = [["-m", "hf_kvint2.demo"], ["-m", "hf_kvint2.precompile"],
+           *[[str(p)] for p in sorted((ROOT / "benchmarks").glob("**/*.py")) if p.parent.name != "speedlib"],
            *[[str(p)] for p in sorted((ROOT / "calibration_scripts").glob("*.py"))]]
 
 
