@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hf_kvint2 import cpu_kernels, read_path
+from hf_kvint2.cpu_kernels.bits import fma_reference, stored_value
 from hf_kvint2.cpu_kernels.key_scores import channel_key_scores_reference
 from hf_kvint2.cpu_kernels.lanes import dot_reference
 from hf_kvint2.cpu_kernels.value_sums import accumulate_values_reference
@@ -35,11 +36,31 @@ ROOT = Path(__file__).resolve().parents[1]
 if cpu_kernels.available():
     import numba
 
+    from hf_kvint2.cpu_kernels.bits import float32_bits, float32_from_bits, float32_from_half_bits, fma, two_bit_code
     from hf_kvint2.cpu_kernels.key_scores import channel_key_scores
     from hf_kvint2.cpu_kernels.lanes import dot
     from hf_kvint2.cpu_kernels.value_sums import accumulate_values
 
     # The intrinsics take literal widths: these wrappers are compiled once per width they are called with.
+    @numba.njit
+    def run_scalar_intrinsics(a, b, c, codes, half_bits, shifted):
+        """Each scalar intrinsic of hf_kvint2.cpu_kernels.bits over arrays, element by element."""
+        fused, bits, back = np.empty_like(a), np.empty(len(a), np.uint32), np.empty_like(a)
+        for i in range(len(a)):
+            fused[i] = fma(a[i], b[i], c[i])
+            bits[i] = float32_bits(a[i])
+            back[i] = float32_from_bits(bits[i])
+        halves, code = np.empty(len(half_bits), np.float32), np.empty((len(codes), 4), np.float32)
+        for i in range(len(half_bits)):
+            halves[i] = float32_from_half_bits(half_bits[i])
+        for i in range(len(codes)):
+            for j in range(4):
+                code[i, j] = two_bit_code(codes[i], 2 * j)
+        stored = np.empty(len(shifted), np.float32)
+        for i in range(len(shifted)):
+            stored[i] = stored_value(shifted[i], 2)
+        return fused, bits, back, halves, code, stored
+
     @numba.njit
     def run_dot(x, y, n, width):
         numba.literally(width)
@@ -68,6 +89,24 @@ def _floats(gen: np.random.Generator, n: int, low: float = -1.0, high: float = 1
 
 
 # --------------------------------------------------------------------------------------------------- intrinsics
+def test_scalar_intrinsics_are_their_numpy_expressions():
+    """fma, the bit casts, the float16 widening, the 2-bit code of a byte and a float32 stored value, each against
+    the NumPy expression its docstring gives, bit for bit (every finite float16 bit pattern for the widening)."""
+    gen = np.random.default_rng(0)
+    a, b, c = (_floats(gen, 4096, -100.0, 100.0) for _ in range(3))
+    codes = np.arange(256, dtype=np.uint8)
+    half = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    half = half[np.isfinite(half.view(np.float16))]
+    fused, bits, back, halves, code, stored = run_scalar_intrinsics(a, b, c, codes, half, c)
+    np.testing.assert_array_equal(fused.view(np.int32), fma_reference(a, b, c).view(np.int32))
+    np.testing.assert_array_equal(bits, a.view(np.uint32))
+    np.testing.assert_array_equal(back.view(np.int32), a.view(np.int32))
+    np.testing.assert_array_equal(halves.view(np.int32), half.view(np.float16).astype(np.float32).view(np.int32))
+    want_code = np.stack([(codes >> (2 * j)) & 3 for j in range(4)], axis=1).astype(np.float32)
+    np.testing.assert_array_equal(code, want_code)
+    np.testing.assert_array_equal(stored.view(np.int32), np.array([stored_value(x, 2) for x in c]).view(np.int32))
+
+
 @pytest.mark.parametrize("width", [4, 8, 16])
 def test_dot_is_its_numpy_loop(width):
     gen = np.random.default_rng(width)
