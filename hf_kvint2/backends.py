@@ -86,3 +86,4 @@ if __name__ == "__main__":
                                         f"({CPU_KERNEL_ENV}=torch forces the PyTorch one on CPU). To compile the "
                                         "CPU kernels ahead of their first use: python -m hf_kvint2.precompile.").parse_args()
     print("\n".join(describe()))
+    print("The CPU kernels compile on first use; to compile them ahead: python -m hf_kvint2.precompile")
