@@ -96,8 +96,11 @@ def check_orthogonal(r: torch.Tensor, name: str, atol: float = 1e-4) -> None:
 def row_quantile(a: torch.Tensor, ratio: float) -> torch.Tensor:
     """Linear-interpolated ``ratio`` quantile of each row of ``a`` (last dim), like ``torch.quantile`` but with
     no size limit."""
-    d = a.shape[-1]
-    srt = a.sort(dim=-1).values
+    return _sorted_quantile(a.sort(dim=-1).values, ratio)
+
+
+def _sorted_quantile(srt: torch.Tensor, ratio: float) -> torch.Tensor:
+    d = srt.shape[-1]
     pos = ratio * (d - 1)
     i0 = math.floor(pos)
     i1 = min(i0 + 1, d - 1)
@@ -112,13 +115,19 @@ CLIP_FLOOR = 0.5
 
 
 def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
-    """Clamp each row (last dim) to ``[-tau, tau]``, ``tau`` the ``ratio`` quantile of ``|row|`` but at least
-    ``CLIP_FLOOR`` times the row's largest ``|x|`` (so no row is erased; every coordinate keeps its sign and at
-    least half its magnitude)."""
+    """Clamp each row (last dim) to ``[-tau, tau]``, ``tau`` the ``ratio`` quantile of ``|row|``, but at least
+    ``CLIP_FLOOR`` times the row's largest ``|x|`` (no row is erased) and at least the largest minus the second
+    largest ``|x|``: clipping trades outliers for the resolution of the rest of the row, and a coordinate that
+    carries the row alone (a constant token after a Hadamard rotation) is no outlier. Such a row comes back within
+    the INT2 quantizer's bound instead of at half its magnitude; rows whose two largest ``|x|`` are within a factor
+    of two clip as before."""
     if ratio is None or ratio >= 1.0:
         return x
     a = x.abs()
-    tau = torch.maximum(row_quantile(a, ratio), CLIP_FLOOR * a.amax(dim=-1, keepdim=True))
+    srt = a.sort(dim=-1).values
+    top = srt[..., -1:]
+    second = srt[..., -2:-1] if srt.shape[-1] > 1 else torch.zeros_like(top)
+    tau = torch.maximum(torch.maximum(_sorted_quantile(srt, ratio), CLIP_FLOOR * top), top - second)
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 

@@ -104,9 +104,13 @@ def _transformed(x_ptr, sxt, mean_ptr, rot_ptr, tok, tok_ok, cols, col_ok, norm_
         q0 = b0.to(tl.float32, bitcast=True)
         q1 = b1.to(tl.float32, bitcast=True)
         tau = (q0 * (1.0 - clip_frac) + q1 * clip_frac)[:, None]
-        # transforms.CLIP_FLOOR: never below that fraction of the row's largest |x| (no row is erased)
-        row_max = tl.max(tl.where(col_ok[None, :], tl.abs(xr), 0.0), axis=1)
-        tau = tl.maximum(tau, clip_floor * row_max[:, None])
+        # transforms.clip_rows: never below CLIP_FLOOR of the row's largest |x| (no row is erased), nor below the
+        # largest minus the second largest (a coordinate that carries the row alone is not clipped away)
+        a = tl.where(col_ok[None, :], tl.abs(xr), 0.0)
+        row_max = tl.max(a, axis=1)
+        tied = tl.sum((a == row_max[:, None]).to(tl.int32), axis=1) > 1
+        second = tl.where(tied, row_max, tl.max(tl.where(a < row_max[:, None], a, 0.0), axis=1))
+        tau = tl.maximum(tl.maximum(tau, clip_floor * row_max[:, None]), (row_max - second)[:, None])
         xr = tl.minimum(tl.maximum(xr, -tau), tau)
     return xr
 

@@ -27,7 +27,7 @@ from hf_kvint2 import (
 )
 from hf_kvint2.quant import dequantize_int2, quantize_int2
 from hf_kvint2.read_path import reference_body_partial
-from hf_kvint2.transforms import spectral_rotation
+from hf_kvint2.transforms import hadamard_matrix, spectral_rotation
 
 B, HKV, REP, D = 2, 2, 2, 64
 
@@ -151,6 +151,26 @@ def test_quantize_tokens_settings(axis, group, clip, token_scaling, scale_dtype,
         tol = 2 * torch.finfo(scale_dtype).eps
         torch.testing.assert_close(got[0].scale.float(), want[0].scale.float(), rtol=tol, atol=1e-6)
         torch.testing.assert_close(got[0].lo.float(), want[0].lo.float(), rtol=tol, atol=1e-6)
+
+
+@pytest.mark.parametrize("clip,token_scaling", [(0.96, False), (0.92, True), (0.5, False)])
+def test_quantize_tokens_keeps_a_token_whose_energy_sits_in_one_channel(clip, token_scaling):
+    """The kernel's row clip is transforms.clip_rows (never below the largest minus the second largest |x|):
+    tokens whose channels are all equal, which a Hadamard rotation sends to one channel, come back whole, as the
+    reference stores them, instead of at half their magnitude."""
+    d = D
+    x = torch.tensor([0.5, -3.0, 1e-3, 7.0, 0.25], device=DEVICE)[None, None, :, None].expand(B, HKV, 5, d)
+    rot = hadamard_matrix(d).to(DEVICE)
+    args = {"axis": "token", "group_size": 32, "clip": clip, "token_scaling": token_scaling,
+            "scale_dtype": torch.float16}
+    got = kernels.quantize_tokens(x, rot, None, **args)
+    want = kernels.reference_quantize_tokens(x, rot, None, **args)
+    xr = (x.float() @ rot) / (1 if not token_scaling else want[1].float()[:, None, :, None])
+    assert_quantized_match(got, want, "token", 32, xr)
+    deq = dequantize_int2(got[0], "token", 32)
+    if token_scaling:
+        deq = deq * got[1].float()[:, None, :, None]
+    assert ((deq @ rot.T - x).abs() <= 0.01 * x.abs()).all()  # (it was off by half: 0.5 -> 0.25)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter warns about the inf it casts

@@ -18,8 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import DynamicLayer
 
-from hf_kvint2 import GroupLayout, OscarCache, OscarScaledCache
-from hf_kvint2.quant import dequantize_int2, quantize_int2
+from hf_kvint2 import GroupLayout, OscarCache, OscarScaledCache, cpu_kernels
+from hf_kvint2.quant import QuantizedGroups, dequantize_int2, quantize_int2
+from hf_kvint2.static_cache import StaticOscarCache
+from hf_kvint2.transforms import clip_rows
 
 CI = settings(max_examples=300, derandomize=True, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -86,6 +88,83 @@ def test_quantizer_stores_finite_values_with_bounded_error_or_refuses(case):
     eps, tiny = torch.finfo(scale_dtype).eps, torch.finfo(scale_dtype).tiny
     bound = g_range / 6 + 4 * eps * (g_top + g_range) + 4 * tiny
     assert (err.unflatten(dim, (-1, group)) <= bound * (1 + 1e-9)).all()
+
+
+def int2_bound(x: torch.Tensor, group: int, scale_dtype) -> torch.Tensor:
+    """:func:`quantize_int2`'s error bound for each element of x [..., D] in ``"token"`` groups: half a step
+    (range / 6) plus the rounding of lo and scale to ``scale_dtype``, plus underflow."""
+    grouped = x.double().unflatten(-1, (-1, group))
+    g_range = grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)
+    g_top = grouped.abs().amax(-1, keepdim=True)
+    eps, tiny = torch.finfo(scale_dtype).eps, torch.finfo(scale_dtype).tiny
+    return (g_range / 6 + 4 * eps * (g_top + g_range) + 4 * tiny).expand_as(grouped).flatten(-2)
+
+
+@st.composite
+def concentrated_rows(draw):
+    """Rotated rows [1, 2, n, D] whose energy sits in one channel: a spike of random channel, sign and magnitude
+    over zeros, or over noise up to 1e-3 of it; with a clip ratio, group and scale dtype."""
+    d = draw(st.sampled_from([16, 32, 64]))
+    n = draw(st.integers(1, 4))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    magnitude = 10.0 ** draw(st.floats(-3, 4))
+    noise = draw(st.sampled_from([0.0, 1e-6, 1e-3]))
+    x = torch.randn(1, 2, n, d, generator=g) * noise * magnitude
+    spike = torch.randint(0, d, (1, 2, n, 1), generator=g)
+    signs = torch.where(torch.rand(1, 2, n, 1, generator=g) < 0.5, -1.0, 1.0)
+    x.scatter_(-1, spike, signs * magnitude)
+    clip = draw(st.sampled_from([0.96, 0.92, 0.8, 0.5]))
+    group = draw(st.sampled_from([g for g in (4, 8, 16, 32, 64) if d % g == 0]))
+    return x, clip, group, draw(st.sampled_from(SCALE_DTYPES))
+
+
+@CI
+@given(concentrated_rows())
+def test_a_row_with_its_energy_in_one_channel_comes_back_within_the_int2_bound(case):
+    """Row clipping never goes below the largest minus the second largest |x|: a row whose energy sits in one
+    channel loses at most its second largest |x| to the clip, and comes back within quantize_int2's bound of the
+    unclipped row (it came back at half its magnitude when the clip's only floor was half the largest |x|). The
+    compiled CPU quantizer stores the same codes."""
+    x, clip, group, scale_dtype = case
+    q = quantize_int2(clip_rows(x.clone(), clip), "token", group, scale_dtype)
+    err = (dequantize_int2(q, "token", group).double() - x.double()).abs()
+    assert (err <= int2_bound(x, group, scale_dtype) * (1 + 1e-9)).all(), err.max()
+    if cpu_kernels.available():
+        compiled = cpu_kernels.quantize_token_groups(x.clone(), clip, group, scale_dtype)
+        # equal values (a group of zeros may start at -0.0 in one and 0.0 in the other: the same dequantization)
+        assert all(torch.equal(a, b) for a, b in zip(q, compiled))
+
+
+@pytest.mark.parametrize("value", [0.5, -3.0, 1e-3])
+def test_a_token_with_equal_channels_comes_back_whole(value):
+    """All channels equal: the Hadamard rotation puts the whole token in one channel, and OSCAR's clipped keys and
+    values come back within the INT2 bound of that rotated row (no longer at half their magnitude: 0.5 -> 0.2499),
+    in the dynamic layer and the static one."""
+    d, group = 64, 32
+    x = torch.full((1, 2, 40, d), value)
+    x[:, :, ::3] *= -2.0
+    cache = OscarCache(sink_tokens=0, recent_tokens=4, group_size=group)
+    cache.update(x, x, 0)
+    layer = cache.layers[0]
+    n = layer.body_len
+    static = StaticOscarCache.from_cache(OscarCache(sink_tokens=0, recent_tokens=4, group_size=group),
+                                         _one_layer(d), 64).layers[0]
+    static.update(x, x)
+    stored = [*layer.dequantized_body()]
+    for prefix in ("key", "value"):
+        codes = [getattr(static, f"{prefix}_{name}") for name in ("codes", "scale", "lo")]
+        stored.append(getattr(static, f"{prefix}_codec").dequantize_groups(QuantizedGroups(*codes), None)[:, :, :n])
+    assert n == static._body_tokens_now() > 0
+    bound = int2_bound(x[:, :, :n] @ layer.key_body.codec.rotation, group, torch.float16).norm(dim=-1)
+    for got in stored:  # the error's norm is the same in the rotated space (an orthogonal rotation)
+        assert ((got.double() - x[:, :, :n]).norm(dim=-1) <= bound).all()
+
+
+def _one_layer(head_dim: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, hidden_size=2 * head_dim,
+                       head_dim=head_dim)
 
 
 # ---------------------------------------------------------------------------------------------- layer contract

@@ -99,14 +99,24 @@ def test_row_quantile_matches_torch_and_clip_bounds_rows():
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
     for ratio in (0.5, 0.92, 0.96, 1.0):
         torch.testing.assert_close(row_quantile(x, ratio), torch.quantile(x, ratio, dim=-1, keepdim=True))
-    # the quantile, floored at CLIP_FLOOR x the row's largest |x| (so that no row is erased)
-    tau = torch.maximum(torch.quantile(x.abs(), 0.9, dim=-1, keepdim=True),
-                        CLIP_FLOOR * x.abs().amax(dim=-1, keepdim=True))
+    # the quantile, but at least CLIP_FLOOR x the row's largest |x| (no row is erased) and at least the largest
+    # minus the second largest |x| (a coordinate that carries the row alone is no outlier)
+    top2 = x.abs().topk(2, dim=-1).values
+    tau = torch.maximum(torch.maximum(torch.quantile(x.abs(), 0.9, dim=-1, keepdim=True), CLIP_FLOOR * top2[:, :1]),
+                        top2[:, :1] - top2[:, 1:])
     c = clip_rows(x, 0.9)
-    assert (c.abs() <= tau + 1e-6).all()
+    torch.testing.assert_close(c.abs().amax(dim=-1, keepdim=True), tau)
     inside = x.abs() <= tau
     assert torch.equal(c[inside], x[inside])  # only the outliers move
     assert torch.equal(clip_rows(x, None), x) and torch.equal(clip_rows(x, 1.0), x)
+    rows = torch.zeros(3, 64)
+    rows[0, 5] = 3.0  # its energy in one coordinate: nothing to clip
+    rows[1, 7], rows[1, 9] = -3.0, 0.25  # nearly so: it loses the second largest |x| at most
+    rows[2, 5], rows[2, 6] = 3.0, 2.0  # two comparable coordinates: CLIP_FLOOR, as for any row
+    c = clip_rows(rows, 0.9)
+    assert torch.equal(c[0], rows[0])
+    assert c[1, 7] == -2.75 and c[1, 9] == 0.25
+    assert c[2, 5] == 1.5 and c[2, 6] == 1.5
 
 
 @pytest.mark.parametrize("d", [80, 96, 48])

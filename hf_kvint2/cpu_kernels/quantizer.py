@@ -99,7 +99,8 @@ if NUMBA:
     @njit
     def clip_threshold(xt, i0, i1, w0, w1, top, largest, a):
         """:func:`~hf_kvint2.transforms.clip_rows`' threshold of one row: the clip quantile of |x| (order statistics
-        i0, i1 weighted w0, w1), at least half the row's max. ``top`` > 0: both order statistics are among the row's
+        i0, i1 weighted w0, w1), at least half the row's max and at least its max minus its second largest |x| (a
+        coordinate that carries the row alone is no outlier). ``top`` > 0: both order statistics are among the row's
         ``top`` largest |x|, kept in ``largest`` (sorted descending) in one pass instead of sorting the row (the
         same values); else ``a`` (scratch of the row's size) is sorted."""
         d = xt.shape[0]
@@ -123,8 +124,8 @@ if NUMBA:
                 amax = max(amax, a[c])
             a.sort()
             tau = a[i0] * w0 + a[i1] * w1
-        floor_ = np.float32(0.5) * amax
-        return max(tau, floor_)
+        second = largest[1] if top > 0 else a[d - 2]  # (top >= 2 for a clip ratio below 1)
+        return max(tau, np.float32(0.5) * amax, amax - second)
 
     @njit
     def quantize_group(xt, c0, c1, kind, row_codes):
