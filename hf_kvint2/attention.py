@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .model_config import layer_plan
 from .steps import DeferredKV
 
 ATTN_IMPLEMENTATION = "oscar"
@@ -37,15 +38,21 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         out = bound.attend(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     if not isinstance(key, DeferredKV):
-        layer_ref = getattr(key, "oscar_layer", None)  # the portable view of an Oscar layer (hf_kvint2.steps)
-        if layer_ref is not None and layer_ref() is not None:
-            layer_ref().fused_attention = True  # this layer is read by "oscar": defer its views from now on
+        # the portable view of an Oscar layer (hf_kvint2.steps) or a window layer's K/V, tagged with their layer
+        layer_ref = getattr(key, "oscar_layer", None)
+        layer = None if layer_ref is None else layer_ref()
+        if layer is not None:
             cache_ref = getattr(key, "oscar_cache", None)  # a cache built without config, at a layer's first chunk
             if cache_ref is not None and cache_ref() is not None:
-                cache_ref().learn_layer_types(getattr(module, "config", None), layer_ref().layer_idx, key, value)
+                cache_ref().learn_layer_types(getattr(module, "config", None), layer.layer_idx, key, value)
+            else:
+                check_layer_type(layer, module)
+            if not layer.is_sliding:
+                layer.fused_attention = True  # this layer is read by "oscar": defer its views from now on
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     step = key.step
+    check_layer_type(step.layer, module)
     if step.body_tokens == 0 or unsupported or not isinstance(value, DeferredKV):
         # No INT2 tokens to read (early steps, fresh prefill) or a feature only SDPA has: plain SDPA on the view.
         return _sdpa_on_view(module, step, query, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -54,6 +61,32 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = step.attend(query, attention_mask, scaling, causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_layer_type(layer, module: torch.nn.Module) -> None:
+    """Refuse a cache layer stored otherwise than ``module``'s layer type asks (:func:`~hf_kvint2.model_config.
+    layer_plan` of the module's config): a cache built with ``config=`` of another model would quantize a
+    sliding-window layer's whole history, or cut a full-attention layer to another model's window (wrong logits,
+    silently). Checked once per layer and model config (one identity test on later steps)."""
+    config = getattr(module, "config", None)
+    if config is None or getattr(layer, "oscar_checked_config", None) is config:
+        return
+    idx = getattr(module, "layer_idx", None)
+    if idx is None:  # an attention module that does not say which layer it is: nothing to compare with
+        return
+    plan = layer_plan(config)
+    want = plan[idx] if idx < len(plan) else None
+    window = layer.sliding_window if layer.is_sliding else None
+    if want is not None and want.window == window:
+        layer.oscar_checked_config = config
+        return
+    have = f"a full-precision window of {window} tokens" if window else "quantized (a full-attention layer)"
+    wanted = "unknown to its config" if want is None else \
+        f"a {want.layer_type} layer (window {want.window})" if want.window else f"a {want.layer_type} layer"
+    raise ValueError(f"Layer {idx} of this cache is {have}, but layer {idx} of the model is {wanted}: the cache was "
+                     "built for another model (config= of a model with other layer types). Build it with "
+                     "config=model.config of the model you run, or without config= (the \"oscar\" attention then "
+                     "tells it each layer's type).")
 
 
 def _sdpa_only_features(dropout: float, attention_mask: torch.Tensor | None, kwargs: dict) -> list[str]:

@@ -22,6 +22,8 @@ in 16 bits, and INT2 costs quality on the only tokens a sliding layer reads for 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
@@ -49,27 +51,33 @@ class WindowLayer(DynamicSlidingWindowLayer):
     """transformers' ``DynamicSlidingWindowLayer`` that keeps only its window after a chunk longer than the window
     (a clone of the last ``sliding_window - 1`` tokens instead of a view into the whole chunk).
 
-    ``storage_dtype`` (the caches' ``sliding_window_dtype``; None: the K/V dtype) stores the window narrower, e.g.
-    float16 for a float32 model (half the bytes). transformers' update concatenates the stored window with the
-    chunk in the K/V dtype, so the attention reads the past window widened and the step's own tokens as they came;
-    the new window is stored narrowed (a copy, so never a view into a long chunk either)."""
+    ``storage_dtype`` (the caches' ``sliding_window_dtype``; None: the K/V dtype) stores the window in another
+    dtype, e.g. float16 for a float32 model (half the bytes). The stored window is cast to the K/V dtype and
+    transformers' update concatenates it with the chunk, so the attention reads the past window as stored and the
+    step's own tokens as they came, all in the K/V dtype; the new window is stored in ``storage_dtype`` (a copy, so
+    never a view into a long chunk either)."""
 
     def __init__(self, sliding_window: int, storage_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.storage_dtype = storage_dtype
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        narrowed = self.storage_dtype is not None and self.storage_dtype != key_states.dtype
-        if not narrowed:
+        converted = self.storage_dtype is not None and self.storage_dtype != key_states.dtype
+        if not converted:
             keys, values = super().update(key_states, value_states, *args, **kwargs)
             if not self.record_past and keys.shape[-2] > 2 * self.keys.shape[-2]:
                 self.keys, self.values = self.keys.clone(), self.values.clone()
+            keys.oscar_layer = weakref.ref(self)  # the "oscar" attention checks the layer against the model's
             return keys, values
         check_fits_window_dtype(key_states, value_states, self.storage_dtype, "sliding-window layer")
-        # torch.cat promotes the stored window to the K/V dtype: the attention reads it widened, the chunk exact;
-        # then the window transformers kept is stored narrowed (one cast of the window's K and V per update)
+        # The stored window in the K/V dtype first (torch.cat would promote a bfloat16 chunk and a float16 or
+        # float32 window to float32, which SDPA refuses beside a bfloat16 query): the attention reads the past window
+        # as stored, the chunk exact; then the window transformers kept is stored in storage_dtype again.
+        if self.is_initialized:
+            self.keys, self.values = self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.keys, self.values = self.keys.to(self.storage_dtype), self.values.to(self.storage_dtype)
+        keys.oscar_layer = weakref.ref(self)
         return keys, values
 
 
@@ -195,7 +203,10 @@ class StaticWindowLayer(FixedShapeLayerMixin, CacheLayerMixin):
         self._set_length(self.cumulative_length + n_new)
         if self.bound:  # the "oscar" attention of an exported module reads the ring through attend()
             return key_states, value_states
-        return self.full_view(key_states, value_states)
+        keys, values = self.full_view(key_states, value_states)
+        if not tracing():  # the eager "oscar" attention checks the layer against the model's
+            keys.oscar_layer = weakref.ref(self)
+        return keys, values
 
     # ------------------------------------------------------------------ reading
     def _past(self, n_new: int):

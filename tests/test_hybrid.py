@@ -6,13 +6,15 @@ is measured by ``benchmarks/hybrid_gemma3.py``."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
+from conftest import tiny_config
 from test_cache_contract import MODES
 from test_gemma3 import LAYER_TYPES, tiny_gemma3
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import hf_kvint2  # noqa: F401  (registers "oscar")
@@ -194,6 +196,41 @@ def test_generation_with_quantization_runs_in_every_mode(model, mode):
             assert isinstance(layer, WindowLayer) and layer.keys.shape[-2] <= WINDOW - 1 + 3  # (+ lookup candidates)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_a_cache_built_for_other_layer_types_is_refused_by_the_oscar_attention(model, static):
+    """A cache built with config= of another model: under "oscar" the attention module tells each layer's type,
+    so a sliding-window layer stored quantized, a full-attention layer stored as a window, or a window of another
+    length, is refused at the first forward, naming both, instead of cutting a layer to the wrong window. (Under
+    SDPA the cache never sees the module: docs/robustness.md.)"""
+    llama = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=4, num_attention_heads=2,
+                                                         num_key_value_heads=1, head_dim=64, vocab_size=256),
+                                             attn_implementation="oscar").eval()
+    narrower = copy.deepcopy(model.config)
+    narrower.sliding_window = WINDOW // 2
+
+    def make(config):
+        if static:
+            return StaticOscarCache.from_cache(KINDS["scaled"](), config, 96)
+        return KINDS["scaled"](config=config)
+
+    model.set_attn_implementation("oscar")
+    try:
+        for runs, built_for, message in (
+                (llama, model.config, ("Layer 0 of this cache is a full-precision window of 32 tokens, but layer 0 "
+                                       "of the model is a full_attention layer")),
+                (model, llama.config, ("Layer 0 of this cache is quantized .*, but layer 0 of the model is a "
+                                       "sliding_attention layer \\(window 32\\)")),
+                (model, narrower, ("window of 16 tokens, but layer 0 of the model is a sliding_attention layer "
+                                   "\\(window 32\\)"))):
+            with pytest.raises(ValueError, match=message + ".*config=model.config"):
+                _logits(runs, make(built_for), _ids(40), 36)
+        cache = make(model.config)  # the model's own config: checked once per layer, then one identity test
+        _logits(model, cache, _ids(40), 36)
+        assert all(layer.oscar_checked_config is model.config for layer in cache.layers)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
 # ---------------------------------------------------------------------------------------------- static / export
 PROMPT, STEPS, MAX_LEN = 40, 40, 96  # the decode steps wrap the sliding rings (window 32) twice
 
@@ -309,6 +346,26 @@ def test_float16_windows_refuse_values_beyond_its_range():
     assert torch.isfinite(keys).all()
     with pytest.raises(ValueError, match="do not fit sliding_window_dtype=torch.float16"):
         StaticWindowLayer(64, 8, 0, storage_dtype=torch.float16).update(big, small)
+
+
+@pytest.mark.parametrize("model_dtype,window_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                                                       (torch.float16, torch.float32)], ids=str)
+@pytest.mark.parametrize("attn", ["sdpa", "oscar"], indirect=True)
+def test_windows_in_another_dtype_than_a_16_bit_models(model, attn, model_dtype, window_dtype):
+    """A 16-bit model whose windows are stored in another dtype: every forward reads the past window in the model's
+    dtype (torch.cat would promote a bfloat16 chunk beside a float16 or float32 window to float32, which SDPA
+    refuses beside a bfloat16 query). With quantization off, DynamicCache's logits at every step (these windows
+    hold this model's 16-bit values exactly); quantized, the logits of windows in the model's dtype."""
+    m = copy.deepcopy(model).to(model_dtype)
+    ids = _ids(80)
+    want = _logits(m, DynamicCache(config=m.config), ids, 40)
+    for kind, make in KINDS.items():
+        got = _logits(m, make(config=m.config, sliding_window_dtype=window_dtype, recent_tokens=ALL_TOKENS), ids, 40)
+        assert torch.equal(got, want), kind
+        cache = make(config=m.config, sliding_window_dtype=window_dtype)
+        got = _logits(m, cache, ids, 40)
+        assert cache.layers[0].keys.dtype == window_dtype and cache.layers[1].body_len > 0
+        assert torch.equal(got, _logits(m, make(config=m.config), ids, 40)), kind
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
