@@ -6,12 +6,14 @@ import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable
+from threading import get_ident
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .calibration import calibration_from_choices, fit_calibration, settings_from_choices
 from .calibration.run import print_summary
+from .concurrency import ThreadGuard
 from .distributed import resolve_shard, warn_if_undetectable
 from .hub import (
     OSCAR_FORMAT,
@@ -69,6 +71,7 @@ class OscarCacheBase(Cache):
     def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None, tp_group=None,
                  window_dtype: torch.dtype | None = None):
         self._recipe_for_layer = recipe_for_layer
+        self.thread_guard = ThreadGuard()
         self.window_dtype = window_dtype  # what sliding-window layers store their window in (None: the K/V dtype)
         self.config = config
         # Tensor parallelism (transformers' tp_plan): this rank's KV heads; None for a whole model.
@@ -96,22 +99,35 @@ class OscarCacheBase(Cache):
         super().activate_past_recording(**kwargs)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self.artifact_info is not None:  # loaded from an artifact: check it fits this model (hub.check_update)
-            check_update(self, key_states, layer_idx)
-        if not self.layers:
-            warn_if_undetectable(self.config)
-        while len(self.layers) <= layer_idx:
-            self.layers.append(self._new_layer(len(self.layers)))
-        layer = self.layers[layer_idx]
-        learning = self.layer_plan is None and isinstance(layer, OscarLayer)
-        if learning and layer.seq_len > 0:  # a second forward and no "oscar" attention told the types
-            warn_layer_types_unknown_once(type(self).__name__)
-        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if learning and layer.seq_len == key_states.shape[-2] and not isinstance(keys, DeferredKV):
-            # The layer's first chunk, handed to the attention as it came (full precision): the "oscar" attention
-            # may tell the cache the model's layer types now (learn_layer_types).
-            keys.oscar_cache = weakref.ref(self)
+        guard = self.thread_guard  # one thread at a time (hf_kvint2.concurrency): a few field reads per update
+        if guard.thread != get_ident() or guard.busy or guard.broken is not None:
+            guard.enter(layer_idx, type(self).__name__)
+        guard.busy = True
+        try:
+            if self.artifact_info is not None:  # loaded from an artifact: check it fits this model (hub.check_update)
+                check_update(self, key_states, layer_idx)
+            if not self.layers:
+                warn_if_undetectable(self.config)
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self._new_layer(len(self.layers)))
+            layer = self.layers[layer_idx]
+            learning = self.layer_plan is None and isinstance(layer, OscarLayer)
+            if learning and layer.seq_len > 0:  # a second forward and no "oscar" attention told the types
+                warn_layer_types_unknown_once(type(self).__name__)
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if learning and layer.seq_len == key_states.shape[-2] and not isinstance(keys, DeferredKV):
+                # The layer's first chunk, handed to the attention as it came (full precision): the "oscar" attention
+                # may tell the cache the model's layer types now (learn_layer_types).
+                keys.oscar_cache = weakref.ref(self)
+        except BaseException:
+            guard.busy = False
+            raise
+        guard.leave(layer_idx)
         return keys, values
+
+    def reset(self):
+        super().reset()
+        self.thread_guard.reset()
 
     def learn_layer_types(self, config, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Called by the ``"oscar"`` attention at a layer's first forward (``keys`` / ``values``: its first chunk, as

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from threading import get_ident
 
 import torch
 from transformers.cache_utils import Cache
 
+from .concurrency import ThreadGuard
 from .hub import check_layer_plan
 from .model_config import WINDOWED, layer_plan, model_shape
+from .quant import tracing
 from .read_path import BODY_BLOCK_TOKENS
 from .recipes import LayerRecipe
 from .static_layer import StaticOscarLayer
@@ -46,6 +49,7 @@ class StaticOscarCache(Cache):
                 layers.append(StaticOscarLayer(recipe_for_layer(idx), max_cache_len, idx, attention_block))
         self._max_cache_len = max_cache_len
         self.config = config
+        self.thread_guard = ThreadGuard()
         super().__init__(layers=layers)
 
     @property
@@ -74,7 +78,23 @@ class StaticOscarCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):
             raise ValueError(f"layer_idx {layer_idx} is beyond the {len(self.layers)} layers of this static cache.")
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        if tracing():  # an exported / compiled step: one program, no Python threads to tell apart
+            return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        guard = self.thread_guard  # one thread at a time (hf_kvint2.concurrency)
+        if guard.thread != get_ident() or guard.busy or guard.broken is not None:
+            guard.enter(layer_idx, type(self).__name__)
+        guard.busy = True
+        try:
+            out = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        except BaseException:
+            guard.busy = False
+            raise
+        guard.leave(layer_idx)
+        return out
+
+    def reset(self):
+        super().reset()
+        self.thread_guard.reset()
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every layer's state tensors, layer by layer in ``state_names`` order (the ONNX graph's state)."""

@@ -14,6 +14,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 import zipfile
 from contextlib import contextmanager
@@ -650,3 +651,70 @@ def test_float32_scales_work_with_the_fused_attention(models, kind, dtype):
     # with the default float16 scales too, up to 0.12 (bfloat16) and 0.06 (float16) on logits of magnitude ~3
     tol = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+
+# ---------------------------------------------------------------------------------------------- threads
+def _in_thread(fn):
+    """Run ``fn`` in another thread; its exception (or None)."""
+    box = []
+
+    def target():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 (handed back to the test)
+            box.append(e)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    return box[0] if box else None
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_two_threads_updating_one_cache_are_refused_until_reset(models, static):
+    """Caches are not thread-safe (nor is DynamicCache): an update while another thread is inside one, or a thread
+    that joins another's forward midway, is refused by name (and every later update, until reset(): the contents
+    are undefined), instead of layers of different lengths and NaN attention. One thread after another, at forward
+    boundaries, is fine."""
+    oscar, _ = models
+
+    def make():
+        if static:
+            return StaticOscarCache.from_cache(OscarScaledCache(sink_tokens=0, recent_tokens=4, group_size=8),
+                                               oscar.config, 64)
+        return OscarScaledCache(oscar.config, sink_tokens=0, recent_tokens=4, group_size=8)
+
+    cache = make()
+    with torch.no_grad():
+        oscar(IDS[:1, :8], past_key_values=cache)  # this thread
+        assert _in_thread(lambda: oscar(IDS[:1, 8:9], past_key_values=cache)) is None  # the next forward: fine
+        k = torch.randn(1, KV_HEADS, 1, HEAD_DIM)
+        cache.update(k, k, 0)  # this thread starts a forward (layer 0 of 0..1) ...
+        error = _in_thread(lambda: cache.update(k, k, 0))  # ... and another thread starts one too
+        assert isinstance(error, RuntimeError) and "used by two threads at once" in str(error)
+        with pytest.raises(RuntimeError, match="give each thread its own cache.*cache.reset"):
+            cache.update(k, k, 1)  # the first thread's forward goes on: refused as well
+        cache.reset()
+        oscar(IDS[:1, :8], past_key_values=cache)
+
+    # an update that begins while another is in progress (here: its layer waits inside update)
+    cache = make()
+    layer = cache.layers[0]
+    entered, release = threading.Event(), threading.Event()
+    original = type(layer).update
+
+    def slow_update(self, *args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return original(self, *args, **kwargs)
+
+    layer.update = slow_update.__get__(layer)
+    k = torch.randn(1, KV_HEADS, 3, HEAD_DIM)
+    worker = threading.Thread(target=lambda: cache.update(k, k, 0))
+    worker.start()
+    assert entered.wait(30)
+    with pytest.raises(RuntimeError, match="began while another update was in progress"):
+        cache.update(k, k, 1)
+    release.set()
+    worker.join(30)
+    assert cache.get_seq_length() == 3  # the first update completed; the refused one stored nothing
