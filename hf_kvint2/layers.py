@@ -18,7 +18,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import cpu_kernels
 from .distributed import TensorParallelShard
 from .key_basis import settled_key_codec
-from .padding import left_padding, position_ids_of_update
+from .padding import check_position_ids, left_padding, position_ids_of_update
 from .quant import to_model_dtype, tracing
 from .recipes import LayerRecipe
 from .steps import LayerStep
@@ -31,14 +31,28 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANTIZE_BLOCK_TOKENS = 4096
 _CPU_FINITE_CHECK = cpu_kernels.available()  # the compiled NaN/Inf check serves CPU K/V of every supported dtype
 RESET_FIX = "Call cache.reset() (or use a new cache) for a different model, batch or dtype."
+# Whether autocast is on for any device: one C call (asking for the K/V's device would cost a device object per update)
+any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
+def one_dtype(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V in one dtype, the wider of two supported ones (``torch.promote_types``). Under CPU autocast the keys
+    leave the rotary embedding in float32 and the values the projection in bfloat16; ``DynamicCache`` stores each as
+    it comes, an Oscar layer keeps one dtype for both: the body is the same INT2 codes, and only the full-precision
+    windows' values take the wider dtype. Other pairs are left to :func:`validate_kv`'s error."""
+    if k.dtype != v.dtype and k.dtype in SUPPORTED_DTYPES and v.dtype in SUPPORTED_DTYPES:
+        common = torch.promote_types(k.dtype, v.dtype)
+        return k.to(common), v.to(common)
+    return k, v
+
+
+def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str, update_args: tuple = ((), {})) -> None:
     """Checks of new K/V shared by the dynamic and static layers: rank, equal shapes, dtype, head_dim; once the
     layer is initialized, the batch, heads, head_dim and dtype it holds (``fix`` tells the user what to do);
-    no NaN/Inf unless the recipe turns that off (skipped while tracing: it needs the data)."""
+    no NaN/Inf unless the recipe turns that off (skipped while tracing: it needs the data). ``update_args``: the
+    other arguments of ``update`` (args, kwargs): NaN K/V from NaN position ids are blamed on those."""
     if layer.is_initialized and _same_kind_as_layer(layer, k, v):  # a decode step: the checks below all pass
-        _refuse_nonfinite(layer, k, v)
+        _refuse_nonfinite(layer, k, v, update_args)
         return
     where = layer._name
     if k.dim() != 4 or v.dim() != 4:
@@ -63,13 +77,14 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str) -> None:
                              f"batch={layer.batch_size}, kv_heads={layer.num_heads}, head_dim={layer.head_dim}. {fix}")
         if k.dtype != layer.dtype:
             raise ValueError(f"{where}: K/V dtype changed from {layer.dtype} to {k.dtype}. {fix}")
-    _refuse_nonfinite(layer, k, v)
+    _refuse_nonfinite(layer, k, v, update_args)
 
 
-def _refuse_nonfinite(layer, k: torch.Tensor, v: torch.Tensor) -> None:
+def _refuse_nonfinite(layer, k: torch.Tensor, v: torch.Tensor, update_args: tuple) -> None:
     """The last check of :func:`validate_kv`, on K/V that passed the others: no NaN/Inf unless the recipe turns
     that off (skipped while tracing: it needs the data)."""
     if layer.recipe.check_finite and not tracing() and not _all_finite(k, v):
+        check_position_ids(position_ids_of_update(*update_args), layer._name)  # NaN positions: NaN rotary keys
         raise ValueError(f"{layer._name}: key/value states contain NaN or Inf; refusing to quantize them "
                          "(check the model's dtype: fp16 overflow is a common cause).")
 
@@ -190,12 +205,18 @@ class OscarLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        validate_kv(self, key_states, value_states, fix=RESET_FIX)
+        # autocast would run the write path's matmuls in 16 bits and change what is stored
+        if any_autocast() and torch.is_autocast_enabled(key_states.device.type):
+            with torch.autocast(key_states.device.type, enabled=False):
+                return self.update(key_states, value_states, *args, **kwargs)
+        if key_states.dtype != value_states.dtype:  # e.g. CPU autocast: float32 keys, bfloat16 values
+            key_states, value_states = one_dtype(key_states, value_states)
+        validate_kv(self, key_states, value_states, fix=RESET_FIX, update_args=(args, kwargs))
         n_new = key_states.shape[-2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.seq_len == 0:  # a first chunk: learn the batch's left padding from its position ids
-            self.left_padding = left_padding(position_ids_of_update(args, kwargs), n_new)
+            self.left_padding = left_padding(position_ids_of_update(args, kwargs), n_new, self._name)
         sink_tokens = self.recipe.sink_tokens + self.left_padding
         to_sink = min(max(sink_tokens - self.sink_k.shape[-2], 0), n_new) if self.body_len == 0 and \
             self.recent_k.shape[-2] == 0 else 0

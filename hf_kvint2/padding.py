@@ -24,8 +24,26 @@ def position_ids_of_update(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def left_padding(position_ids: torch.Tensor | None, n_new: int) -> int:
-    """Largest number of left-padding tokens over the rows of a first chunk of ``n_new`` tokens (0 if unknown)."""
+def check_position_ids(position_ids: torch.Tensor | None, where: str) -> None:
+    """Refuse position ids no position can be read from: meta tensors, booleans, complex numbers, NaN or Inf."""
+    if position_ids is None or tracing():
+        return
+    problem = None
+    if position_ids.is_meta:
+        problem = "are meta tensors (shapes without data)"
+    elif position_ids.dtype == torch.bool or position_ids.is_complex():
+        problem = f"have dtype {position_ids.dtype}"
+    elif position_ids.is_floating_point() and not torch.isfinite(position_ids).all():
+        problem = "contain NaN or Inf"
+    if problem is not None:
+        raise ValueError(f"{where}: the position_ids passed with the K/V {problem}; positions are integers counted "
+                         "from 0 (torch.long, e.g. torch.arange(seq_len)[None], or none: the model derives them).")
+
+
+def left_padding(position_ids: torch.Tensor | None, n_new: int, where: str = "this cache layer") -> int:
+    """Largest number of left-padding tokens over the rows of a first chunk of ``n_new`` tokens (0 if unknown);
+    position ids that hold no positions are refused (:func:`check_position_ids`)."""
+    check_position_ids(position_ids, where)
     if position_ids is None or tracing() or position_ids.dim() != 2 or position_ids.shape[-1] != n_new:
         return 0
     last = position_ids[:, -1]

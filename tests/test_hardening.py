@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_kvint2  # noqa: F401  (registers the "oscar" attention)
 from hf_kvint2 import OscarCache, OscarScaledCache
@@ -651,6 +651,55 @@ def test_float32_scales_work_with_the_fused_attention(models, kind, dtype):
     # with the default float16 scales too, up to 0.12 (bfloat16) and 0.06 (float16) on logits of magnitude ~3
     tol = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.1}[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- autocast
+@pytest.mark.parametrize("attn", ["sdpa", "oscar"])
+@pytest.mark.parametrize("kind", sorted(CACHES))
+def test_cpu_autocast_works_as_with_dynamic_cache(models, kind, attn):
+    """Under CPU autocast (bfloat16) the keys leave the rotary embedding in float32 and the values the projection
+    in bfloat16. DynamicCache stores each as it comes; an Oscar layer keeps both in float32 (the wider) and
+    quantizes with autocast off. With windows covering every token, DynamicCache's logits; quantized (dynamic and
+    static), about as far from them as without autocast (tiny windows: INT2 errors of ~1 logit here)."""
+    model = models[0] if attn == "oscar" else models[1]
+    ids = IDS[:, :24]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = run_chunks(model, DynamicCache(), ids)
+        unquantized = run_chunks(model, OscarScaledCache(recent_tokens=1000) if "scaled" in kind else
+                                 OscarCache(recent_tokens=1000), ids)
+        cache = CACHES[kind]()
+        quantized = run_chunks(model, cache, ids)
+        static = run_chunks(model, StaticOscarCache.from_cache(CACHES[kind](), model.config, 64), ids)
+    with torch.no_grad():
+        error = (run_chunks(model, CACHES[kind](), ids) - run_chunks(model, DynamicCache(), ids)).abs().max()
+    assert torch.equal(unquantized, want)
+    layer = cache.layers[0]
+    assert layer.dtype == layer.sink_v.dtype == torch.float32 and layer.body_len > 0
+    for got in (quantized, static):
+        assert (got - want).abs().max() < 1.25 * error + 0.1
+
+
+# ---------------------------------------------------------------------------------------------- position ids
+@pytest.mark.parametrize("kind", sorted(CACHES))
+@pytest.mark.parametrize("positions,problem", [
+    (torch.tensor([[0.0, 1.0, 2.0, float("nan")]]), "contain NaN or Inf"),
+    (torch.ones(1, 4, dtype=torch.bool), "have dtype torch.bool"),
+    (torch.arange(4, device="meta")[None], "are meta tensors"),
+], ids=["nan", "bool", "meta"])
+def test_position_ids_that_hold_no_positions_are_refused(kind, positions, problem):
+    """The first chunk's position ids tell a layer its batch's left padding: NaN, boolean or meta ones are refused
+    by name (the layer left empty), also through a model, whose NaN positions make NaN keys."""
+    k = torch.randn(1, KV_HEADS, 4, HEAD_DIM)
+    cache = CACHES[kind]()
+    with pytest.raises(ValueError, match=f"layer 0: the position_ids passed with the K/V {problem}.*torch.long"):
+        cache.update(k, k, 0, kwargs={"position_ids": positions})
+    assert cache.get_seq_length() == 0
+    cache.update(k, k, 0, kwargs={"position_ids": torch.arange(4.0)[None]})  # float positions are positions
+    if positions.device.type != "meta":  # (transformers' rotary embedding refuses meta positions itself)
+        model = LlamaForCausalLM._from_config(tiny_config(), attn_implementation="oscar").eval()
+        with pytest.raises(ValueError, match=problem), torch.no_grad():
+            model(IDS[:1, :4], position_ids=positions, past_key_values=CACHES[kind]())
+
 
 # ---------------------------------------------------------------------------------------------- threads
 def _in_thread(fn):
