@@ -52,6 +52,8 @@ CHANNEL_ERROR_LIMIT = 0.08
 # relative_channel_error looks at most this many of the first demoted keys: the decision needs a sample, and a
 # long prompt's first demotion (32k tokens) would otherwise quantize all of it twice more (memory, time).
 CHANNEL_ERROR_TOKENS = 1024
+# range_spread reads the tokens this many at a time (whole groups): it reads all of them, however long the prompt
+RANGE_SPREAD_BLOCK = 4096
 
 
 def range_spread(x: torch.Tensor, group: int, shard: TensorParallelShard | None = None) -> float | None:
@@ -61,10 +63,15 @@ def range_spread(x: torch.Tensor, group: int, shard: TensorParallelShard | None 
     n = (x.shape[-2] // group) * group
     if n == 0:
         return None
-    xf = x[:, :, :n].float()
-    xf = xf / xf.norm(dim=(1, 3), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    g = xf.reshape(*xf.shape[:2], n // group, group, xf.shape[-1])
-    ranges = (g.amax(dim=-2) - g.amin(dim=-2)).mean(dim=(0, 2))  # [H, D]
+    # whole groups, RANGE_SPREAD_BLOCK tokens at a time: the float32 temporaries of a long prefill stay bounded
+    step = max(group, RANGE_SPREAD_BLOCK // group * group)
+    sums = []
+    for start in range(0, n, step):
+        xf = x[:, :, start:min(start + step, n)].float()
+        xf = xf / xf.norm(dim=(1, 3), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        g = xf.reshape(*xf.shape[:2], xf.shape[2] // group, group, xf.shape[-1])
+        sums.append((g.amax(dim=-2) - g.amin(dim=-2)).sum(dim=(0, 2)))  # [H, D]
+    ranges = torch.stack(sums).sum(0) / (x.shape[0] * (n // group))  # the mean range per head and channel
     ratio = ranges.square().mean(-1).sqrt() / ranges.median(-1).values.clamp_min(torch.finfo(torch.float32).tiny)
     total = torch.stack([ratio.sum(), torch.tensor(float(ratio.shape[0]), device=ratio.device)]).double()
     if shard is not None:  # one decision for the whole layer

@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import cpu_kernels
 from .distributed import TensorParallelShard
-from .key_basis import settled_key_codec
+from .key_basis import CHANNEL_ERROR_TOKENS, settled_key_codec
 from .padding import check_position_ids, left_padding, position_ids_of_update
 from .quant import to_model_dtype, tracing
 from .recipes import LayerRecipe
@@ -228,9 +228,8 @@ class OscarLayer(CacheLayerMixin):
         new_k, new_v = (key_states, value_states) if to_sink == 0 else \
             (key_states[:, :, to_sink:], value_states[:, :, to_sink:])
         try:
-            if n_new > to_sink and not self._demote_past_recent(new_k, new_v):
-                self._append_recent(new_k, new_v)
-                self._demote()
+            if n_new > to_sink:
+                self._take(new_k, new_v)
         except ValueError as err:  # e.g. values too large for fp16 scales: reject the update, keep the cache as it was
             self.sink_k, self.sink_v, self.recent_k, self.recent_v = before
             self._truncate_body(self.body_len)
@@ -241,17 +240,40 @@ class OscarLayer(CacheLayerMixin):
         step = LayerStep(self, key_states, value_states)
         return step.output(like=step.tail_k)
 
-    def _demote_past_recent(self, new_k: torch.Tensor, new_v: torch.Tensor) -> bool:
-        """A decode step's demotion: if the tokens leaving the window (``new_k`` appended) are all past recent
-        tokens, demote them and append ``new_k`` in one concatenation (no copy of the window). False, changing
-        nothing, if not (a chunk overflowing the window, or keys whose basis is still open): see :meth:`_demote`."""
+    def _take(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """Store the chunk's tokens after the sink's: those that leave the recent window (``new_k`` appended), in
+        whole demotion blocks, go to the body straight from the window and the chunk; the rest become the window.
+        A long chunk is never copied whole (a 32k-token prefill quantizes from views of it), and a decode step that
+        demotes nothing appends in place (:meth:`_append_recent`)."""
         n_recent = self.recent_k.shape[-2]
-        n = self._whole_blocks(n_recent + new_k.shape[-2] - self.recipe.recent_tokens)
-        if self.key_basis_open or not 0 < n <= n_recent:
-            return False
-        self._append_to_body(self.recent_k[:, :, :n], self.recent_v[:, :, :n])
-        self._new_recent_buffers(self.recent_k[:, :, n:], self.recent_v[:, :, n:], new_k, new_v)
-        return True
+        overflow = n_recent + new_k.shape[-2] - self.recipe.recent_tokens
+        if overflow > 0 and self.key_basis_open and self.recipe.key.axis == "token" and not tracing():
+            self._settle_keys(self._leading(self.recent_k, new_k, overflow))  # may switch to per-channel groups
+        n = self._whole_blocks(overflow)  # after the settling: it may change the demotion block
+        if n <= 0:
+            self._append_recent(new_k, new_v)
+            return
+        if self.key_basis_open and not tracing():  # settled once, by the first demotion (the eager prefill)
+            if self.recipe.key.axis == "channel":  # (the decision reads at most CHANNEL_ERROR_TOKENS of them)
+                self._settle_keys(self._leading(self.recent_k, new_k, min(n, CHANNEL_ERROR_TOKENS)))
+            self.key_basis_open = False
+        self._append_to_body(new_k, new_v, n)
+        if n <= n_recent:
+            self._new_recent_buffers(self.recent_k[:, :, n:], self.recent_v[:, :, n:], new_k, new_v)
+        else:  # the window is the chunk's last tokens: a copy (a view would keep the whole chunk alive)
+            rest = n - n_recent
+            self._new_recent_buffers(self.recent_k[:, :, :0], self.recent_v[:, :, :0], new_k[:, :, rest:],
+                                     new_v[:, :, rest:])
+
+    @staticmethod
+    def _leading(recent: torch.Tensor, new: torch.Tensor, count: int) -> torch.Tensor:
+        """The first ``count`` tokens of ``recent`` then ``new``: a view where they lie in one of them."""
+        n_recent = recent.shape[-2]
+        if count <= n_recent:
+            return recent[:, :, :count]
+        if n_recent == 0:
+            return new[:, :, :count]
+        return torch.cat([recent, new[:, :, :count - n_recent]], dim=-2)
 
     def _append_recent(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Append ``new_k``/``new_v`` to the recent window: in place where its buffers have room (a decode step
@@ -311,31 +333,21 @@ class OscarLayer(CacheLayerMixin):
             self._block_of = (recipe, recipe.demotion_block)
         return self._block_of[1]
 
-    def _append_to_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize whole demotion blocks ``k``/``v`` into the body (in steps: see ``QUANTIZE_BLOCK_TOKENS``)."""
+    def _append_to_body(self, new_k: torch.Tensor, new_v: torch.Tensor, n: int) -> None:
+        """Quantize the first ``n`` tokens (whole demotion blocks) of the recent window then ``new_k``/``new_v``
+        into the body, ``QUANTIZE_BLOCK_TOKENS`` at a time: the float32 temporaries of the transform scale with
+        that block, not with the chunk."""
         block = self.recipe.demotion_block
-        n = k.shape[-2]
         step = max(block, QUANTIZE_BLOCK_TOKENS // block * block)  # whole demotion blocks: same groups, same codes
+        n_recent = self.recent_k.shape[-2]
         for start in range(0, n, step):
-            self.key_body.append(k[:, :, start:min(start + step, n)])
-            self.value_body.append(v[:, :, start:min(start + step, n)])
+            stop = min(start + step, n)
+            for body, recent, new in ((self.key_body, self.recent_k, new_k), (self.value_body, self.recent_v, new_v)):
+                if start >= n_recent:
+                    body.append(new[:, :, start - n_recent:stop - n_recent])
+                else:  # (a span that starts in the window is at most the window and one block)
+                    body.append(self._leading(recent, new, stop)[:, :, start:])
         self.body_len += n
-
-    def _demote(self) -> None:
-        overflow = self.recent_k.shape[-2] - self.recipe.recent_tokens
-        if self.key_basis_open and self.recipe.key.axis == "token" and overflow > 0 and not tracing():
-            self._settle_keys(self.recent_k[:, :, :overflow])  # may switch to per-channel groups: a new block
-        n = self._whole_blocks(overflow)  # after the settling: it may change the demotion block
-        if n <= 0:
-            return
-        if self.key_basis_open and not tracing():  # settled once, by the first demotion (the eager prefill)
-            if self.recipe.key.axis == "channel":
-                self._settle_keys(self.recent_k[:, :, :n])
-            self.key_basis_open = False
-        self._append_to_body(self.recent_k[:, :, :n], self.recent_v[:, :, :n])
-        # clone: a slice would keep the whole concatenated chunk (e.g. an 8k-token prefill) alive
-        self.recent_k = self.recent_k[:, :, n:].clone()
-        self.recent_v = self.recent_v[:, :, n:].clone()
 
     def _settle_keys(self, keys: torch.Tensor) -> None:
         """Uncalibrated keys, before the first demotion: the key codec of this layer from ``keys``

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .layers import OscarLayer, any_autocast, one_dtype, validate_kv
+from .layers import QUANTIZE_BLOCK_TOKENS, OscarLayer, any_autocast, one_dtype, validate_kv
 from .quant import SCALE_DTYPES, QuantizedGroups, to_model_dtype
 from .quant import tracing as _tracing
 from .read_path import BODY_BLOCK_TOKENS, attend_segments, body_partial_blocked, mask_to_additive
@@ -308,22 +308,28 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
                              "build the static cache with a larger max_cache_len.")
         self._ring_snapshot = (self.ring_k.clone(), self.ring_v.clone())  # the attention reads past ring tokens
         b0, b1 = body_len(p0 - s, w, blk), body_len(p1 - s, w, blk)
-        writes = []
-        if b1 > b0:  # demote positions [s + b0, s + b1): from the ring (before p0) and from the chunk
-            ring_pos = list(range(s + b0, min(s + b1, p0)))
-            chunk_pos = list(range(max(s + b0, p0), s + b1))
+        # demote positions [s + b0, s + b1): from the ring (before p0) and from the chunk, QUANTIZE_BLOCK_TOKENS at
+        # a time (whole blocks: the same codes), each block written as it is quantized. A refusal midway leaves codes
+        # only at body positions past the stored ones (what is stored is a function of cumulative_length, which
+        # moves at the end), so it changes nothing the cache holds.
+        step = max(blk, QUANTIZE_BLOCK_TOKENS // blk * blk)
+        for j0 in range(b0, b1, step):
+            j1 = min(j0 + step, b1)
+            ring_pos = list(range(s + j0, min(s + j1, p0)))
             parts_k, parts_v = [], []
             if ring_pos:
                 slots = torch.tensor([(j - s) % r for j in ring_pos], device=self.device)
                 parts_k.append(self.ring_k.index_select(2, slots))
                 parts_v.append(self.ring_v.index_select(2, slots))
-            if chunk_pos:
-                parts_k.append(key_states[:, :, chunk_pos[0] - p0:chunk_pos[-1] + 1 - p0])
-                parts_v.append(value_states[:, :, chunk_pos[0] - p0:chunk_pos[-1] + 1 - p0])
-            src_k, src_v = torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-            qk, nk = self.key_codec.quantize(src_k)  # raises before anything is written
+            if s + j1 > p0:  # a view of the chunk: a long prefill is never copied whole
+                parts_k.append(key_states[:, :, max(s + j0, p0) - p0:s + j1 - p0])
+                parts_v.append(value_states[:, :, max(s + j0, p0) - p0:s + j1 - p0])
+            src_k = parts_k[0] if len(parts_k) == 1 else torch.cat(parts_k, dim=2)
+            src_v = parts_v[0] if len(parts_v) == 1 else torch.cat(parts_v, dim=2)
+            qk, nk = self.key_codec.quantize(src_k)
             qv, nv = self.value_codec.quantize(src_v)
-            writes.append((qk, nk, qv, nv, b0, b1 - b0))
+            self._write_body("key", self.key_codec, qk, nk, j0, j1 - j0)
+            self._write_body("value", self.value_codec, qv, nv, j0, j1 - j0)
         if p0 < s:
             n = min(p1, s) - p0
             idx = torch.arange(p0, p0 + n, device=self.device)
@@ -334,9 +340,6 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
             slots = torch.tensor([(j - s) % r for j in range(first, p1)], device=self.device)
             self._write("ring_k", 2, slots, key_states[:, :, first - p0:])
             self._write("ring_v", 2, slots, value_states[:, :, first - p0:])
-        for qk, nk, qv, nv, start, n in writes:
-            self._write_body("key", self.key_codec, qk, nk, start, n)
-            self._write_body("value", self.value_codec, qv, nv, start, n)
         self._set_length(self.cumulative_length + n_new)
 
     # ------------------------------------------------------------------ reading

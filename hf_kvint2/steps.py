@@ -87,7 +87,8 @@ class LayerStep(_Step):
     that were already demoted to the body or stored in the sink are attended from the chunk itself.
     """
 
-    __slots__ = ("__weakref__", "_full", "body_tokens", "layer", "sink_k", "sink_v", "tail_k", "tail_v")
+    __slots__ = ("__weakref__", "_full", "body_tokens", "chunk_tail", "key_body", "layer", "sink_k", "sink_v",
+                 "tail_k", "tail_v", "value_body")
 
     def __init__(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
         n_new = key_states.shape[-2]
@@ -100,11 +101,15 @@ class LayerStep(_Step):
             self.sink_k, self.sink_v = layer.sink_k[:, :, :past], layer.sink_v[:, :, :past]
         self.body_tokens = min(max(past - n_sink, 0), layer.body_len)
         recent_past = past - n_sink - layer.body_len
-        if n_new <= layer.recent_k.shape[-2]:  # the chunk is the newest part of the recent window
+        self.chunk_tail = n_new > layer.recent_k.shape[-2]
+        if not self.chunk_tail:  # the chunk is the newest part of the recent window
             self.tail_k, self.tail_v = layer.recent_k, layer.recent_v
         else:  # the chunk overflowed the window, so every recent token is from it
             assert recent_past <= 0, "OscarLayer invariant: an overflowing chunk fills the whole recent window"
             self.tail_k, self.tail_v = key_states, value_states
+        # the body as it is now: the attention reads these tensors even if the layer is offloaded meanwhile
+        # (transformers' offloading moves a layer to the CPU as soon as its update returns)
+        self.key_body, self.value_body = layer.key_body.read(self.body_tokens), layer.value_body.read(self.body_tokens)
         self._full = None
 
     @property
@@ -112,11 +117,13 @@ class LayerStep(_Step):
         return self.sink_k.shape[-2] + self.body_tokens + self.tail_k.shape[-2]
 
     def _view(self):
+        if self.chunk_tail and not (self.body_tokens or self.sink_k.shape[-2]):
+            return self.tail_k, self.tail_v  # a first chunk longer than the window: the chunk itself, not a copy
         ks, vs = [self.sink_k], [self.sink_v]
         if self.body_tokens:
-            n, dtype = self.body_tokens, self.sink_k.dtype
-            ks.append(to_model_dtype(self.layer.key_body.dequantize()[:, :, :n], dtype))
-            vs.append(to_model_dtype(self.layer.value_body.dequantize()[:, :, :n], dtype))
+            dtype = self.sink_k.dtype
+            ks.append(to_model_dtype(self.key_body.dequantize(), dtype))
+            vs.append(to_model_dtype(self.value_body.dequantize(), dtype))
         ks.append(self.tail_k)
         vs.append(self.tail_v)
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -125,7 +132,6 @@ class LayerStep(_Step):
                is_causal: bool) -> torch.Tensor:
         """Fused attention of ``query`` [B, Hq, Lq, D] over the step, the body read from its codes (SDPA's mask
         conventions; ``is_causal`` without a mask is top-left aligned, as in SDPA). Returns [B, Hq, Lq, D]."""
-        layer = self.layer
         lq = query.shape[2]
         n_sink, n_body, total = self.sink_k.shape[-2], self.body_tokens, self.seq_len
         if attention_mask is None and is_causal and lq > 1:
@@ -135,7 +141,7 @@ class LayerStep(_Step):
         # With gradients enabled for the query: the differentiable PyTorch body reader (the body's codes are data,
         # with no gradient; README).
         backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
-        key_body, value_body = layer.key_body.read(n_body), layer.value_body.read(n_body)
+        key_body, value_body = self.key_body, self.value_body
         if backend.layer_step is not None and backend.serves_layer_step(query, key_body):  # the step in one call
             return backend.layer_step(query, (self.sink_k, self.sink_v), key_body, value_body,
                                       (self.tail_k, self.tail_v), scaling=scaling, mask=mask)

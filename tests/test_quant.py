@@ -275,8 +275,11 @@ def test_memory_held_after_prefill_and_decode_stays_near_the_data(make):
     k, v = torch.randn(2, 2, 1000, 16, generator=g), torch.randn(2, 2, 1000, 16, generator=g)
     cache.update(k, v, 0)
     layer = cache.layers[0]
-    for t in (layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v):
+    for t in (layer.sink_k, layer.sink_v):
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    for t in (layer.recent_k, layer.recent_v):  # the window, with room for one demotion block of decode steps
+        room = layer.recipe.recent_tokens + layer.recipe.demotion_block
+        assert t.untyped_storage().nbytes() == room * t.numel() // t.shape[-2] * t.element_size()
     for _ in range(300):  # decode appends grow the body buffers step by step
         cache.update(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g), 0)
     report = cache.memory_report()["total"]
