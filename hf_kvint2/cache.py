@@ -64,12 +64,17 @@ class OscarCacheBase(Cache):
     holds this rank's KV heads; ``tp_group`` names the tensor-parallel process group when it is not the default
     group (``hf_kvint2.distributed.tp_group(model)``). See ``hf_kvint2.distributed``. ``artifact_info`` /
     ``quality`` of the public caches are set by ``from_pretrained`` (the artifact's recorded shapes and card table).
+
+    ``offloading`` / ``offload_only_non_sliding``: transformers' layer offloading (CUDA), as in ``DynamicCache``:
+    each layer's storage (codes, scales, windows) goes to the CPU right after its update and comes back before its
+    next one; the step an update returns keeps what the ``"oscar"`` attention reads (hf_kvint2.steps).
     """
 
     artifact_info: dict | None = None  # the recorded model shapes of a loaded artifact (checked at first update)
 
     def __init__(self, recipe_for_layer: Callable[[int], LayerRecipe], config=None, tp_group=None,
-                 window_dtype: torch.dtype | None = None):
+                 window_dtype: torch.dtype | None = None, offloading: bool = False,
+                 offload_only_non_sliding: bool = False):
         self._recipe_for_layer = recipe_for_layer
         self.thread_guard = ThreadGuard()
         self.window_dtype = window_dtype  # what sliding-window layers store their window in (None: the K/V dtype)
@@ -78,7 +83,8 @@ class OscarCacheBase(Cache):
         self.shard = resolve_shard(config, tp_group)
         # How each layer is stored (model_config.layer_plan); None until known (from config or the first forward)
         self.layer_plan: list[LayerPlan] | None = None if config is None else layer_plan(config, type(self).__name__)
-        super().__init__(layers=[self._new_layer(idx) for idx in range(len(self.layer_plan or ()))])
+        super().__init__(layers=[self._new_layer(idx) for idx in range(len(self.layer_plan or ()))],
+                         offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     def _new_layer(self, idx: int) -> CacheLayerMixin:
         plan = self.layer_plan[idx] if self.layer_plan is not None and idx < len(self.layer_plan) else None
@@ -223,19 +229,22 @@ class OscarScaledCache(CacheHubMixin, OscarCacheBase):
     front (and keeps sliding-window layers in full precision). Settings: the fields of
     :class:`~hf_kvint2.OscarScaledSettings` as keyword arguments (``recent_tokens=64``), or ``settings=``.
 
-    ``tp_group``, ``artifact_info``, ``quality``: see :class:`OscarCacheBase`.
+    ``tp_group``, ``artifact_info``, ``quality``, ``offloading``, ``offload_only_non_sliding``: see
+    :class:`OscarCacheBase`.
     """
 
     artifact_format = OSCAR_SCALED_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hf_kvint2.hub
     settings_type = OscarScaledSettings
 
     def __init__(self, config=None, *, settings: OscarScaledSettings | None = None, tp_group=None,
-                 artifact_info: dict | None = None, quality: list[dict] | None = None, **fields):
+                 artifact_info: dict | None = None, quality: list[dict] | None = None, offloading: bool = False,
+                 offload_only_non_sliding: bool = False, **fields):
         self.settings = _settings(OscarScaledSettings, settings, fields, type(self).__name__)
         self.artifact_info, self.quality = artifact_info, quality
         self._recipe = self.settings.recipe()
         # A bound method, not a closure: caches pickle and deepcopy like DynamicCache.
-        super().__init__(self._layer_recipe, config, tp_group, self.settings.sliding_window_dtype)
+        super().__init__(self._layer_recipe, config, tp_group, self.settings.sliding_window_dtype, offloading,
+                         offload_only_non_sliding)
 
     def _layer_recipe(self, idx: int) -> LayerRecipe:
         return self._recipe
@@ -266,7 +275,8 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
     ``key_means``, ``value_means``, ``layer_layouts``, ...: sequences indexed by layer) or ``calibration=``;
     ``layer_layouts`` entries are ``(key GroupLayout, value GroupLayout)`` pairs chosen by calibration.
 
-    ``tp_group``, ``artifact_info``, ``quality``: see :class:`OscarCacheBase`.
+    ``tp_group``, ``artifact_info``, ``quality``, ``offloading``, ``offload_only_non_sliding``: see
+    :class:`OscarCacheBase`.
     """
 
     artifact_format = OSCAR_FORMAT  # save_pretrained / from_pretrained / push_to_hub: see hf_kvint2.hub
@@ -274,7 +284,8 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
 
     def __init__(self, config=None, *, settings: OscarSettings | None = None,
                  calibration: OscarCalibration | None = None, tp_group=None, artifact_info: dict | None = None,
-                 quality: list[dict] | None = None, **fields):
+                 quality: list[dict] | None = None, offloading: bool = False, offload_only_non_sliding: bool = False,
+                 **fields):
         per_layer = {k: fields.pop(k) for k in list(fields) if k in OscarCalibration.PER_LAYER}
         if per_layer:
             calibration = dataclasses.replace(calibration or OscarCalibration(), **per_layer)
@@ -286,7 +297,8 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
         # The settings and calibration of construction time; a bound method, not a closure: caches pickle and
         # deepcopy like DynamicCache.
         self._recipe_sources = (self.settings, self.calibration)
-        super().__init__(self._layer_recipe, config, tp_group, self.settings.sliding_window_dtype)
+        super().__init__(self._layer_recipe, config, tp_group, self.settings.sliding_window_dtype, offloading,
+                         offload_only_non_sliding)
         if self.shard is not None:  # fail before generate if the calibration cannot be split over the ranks
             for name in ("key_means", "value_means"):
                 for idx, mean in enumerate(getattr(self.calibration, name) or ()):

@@ -70,7 +70,8 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str, update_args: 
         raise ValueError(f"{where}: key/value states of shape {tuple(k.shape)} have an empty batch, kv_heads or "
                          "head_dim; a cache needs at least one sequence, one head and one channel.")
     if d % 4:
-        raise ValueError(f"{where}: head_dim={d} is not supported; INT2 packing needs a multiple of 4.")
+        raise ValueError(f"{where}: head_dim={d} is not supported: INT2 packing stores four channels per byte, so "
+                         "head_dim must be a multiple of 4. Use transformers' DynamicCache for this model.")
     if layer.is_initialized:
         if (b, h, d) != (layer.batch_size, layer.num_heads, layer.head_dim):
             raise ValueError(f"{where}: got K/V with batch={b}, kv_heads={h}, head_dim={d} but the cache holds "
@@ -364,6 +365,52 @@ class OscarLayer(CacheLayerMixin):
             self._unsettled_recipe = self.recipe
             self.recipe = self.recipe.with_overrides(key=codec.layout, key_rotation=codec.rotation)
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """transformers' ``layer.keys``: see :meth:`_stored`."""
+        return self._stored(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """transformers' ``layer.values``: see :meth:`_stored`."""
+        return self._stored(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment("values", value)
+
+    def _stored(self, which: int) -> torch.Tensor | None:
+        """``DynamicLayer.keys`` / ``.values`` where they need no dequantization: None before the first update, every
+        token [B, H, T, D] while all are in the full-precision windows (a copy); once tokens are INT2 codes a clear
+        error, never None (code that reads a layer's tensors would otherwise go on without them)."""
+        if not self.is_initialized:
+            return None
+        if self.body_len == 0:
+            return torch.cat([(self.sink_k, self.sink_v)[which], (self.recent_k, self.recent_v)[which]], dim=-2)
+        raise NotImplementedError(
+            f"{self._name} holds {self.body_len} of its {self.seq_len} tokens as INT2 codes, not as a "
+            f"{('keys', 'values')[which]} tensor: reading them as one would dequantize the layer's history. "
+            "layer.dequantized_kv() returns a dequantized copy (original space, the model's dtype); code that reads "
+            "or writes a layer's K/V tensors (exporters, compression libraries) needs transformers' DynamicCache.")
+
+    def _refuse_assignment(self, name: str, value) -> None:
+        if value is not None:  # (CacheLayerMixin.__init__ sets both to None)
+            raise NotImplementedError(f"{self._name}: {name} cannot be assigned; the layer stores its K/V as a sink, "
+                                      "INT2 codes and a recent window (update() stores new tokens).")
+
+    def dequantized_kv(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """Every token's K and V [B, H, seq_len, D] in the original space and the model's dtype (a copy; the body
+        dequantized), or (None, None) before the first update."""
+        if not self.is_initialized:
+            return None, None
+        body_k, body_v = self.dequantized_body()
+        return (torch.cat([self.sink_k, body_k, self.recent_k], dim=-2),
+                torch.cat([self.sink_v, body_v, self.recent_v], dim=-2))
+
     def dequantized_body(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The body's K/V in the original space and the model dtype, [B, H, body_len, D]."""
         if self.body_len == 0:
@@ -387,23 +434,25 @@ class OscarLayer(CacheLayerMixin):
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest ``-tokens_to_remove`` tokens (a positive value is the legacy target length).
+        """Drop the newest ``-tokens_to_remove`` tokens (a negative count, as ``DynamicLayer.crop``).
 
         Kept tokens keep their stored form; tokens that were demoted meanwhile stay quantized. A cut inside a
         token-grouped block dequantizes the block's kept tokens back into the recent window so that the body
         stays block-aligned.
         """
+        if tokens_to_remove > 0:  # transformers >= 5.18 refuses the legacy target length too
+            raise ValueError(f"crop({tokens_to_remove}): crop takes the number of tokens to remove, as a negative "
+                             "int (crop(-n) removes the newest n); for a target length L call "
+                             "cache.crop(L - cache.get_seq_length()).")
         if not self.is_initialized or tokens_to_remove == 0:
             return
-        target = self.seq_len + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
-        target = max(target, 0)
-        if target >= self.seq_len:
-            return
+        target = max(self.seq_len + tokens_to_remove, 0)
         n_sink = self.sink_k.shape[-2]
+        empty = self.recent_k.new_empty(*self.recent_k.shape[:2], 0, self.recent_k.shape[-1])
         if target <= n_sink:
             self.sink_k, self.sink_v = self.sink_k[:, :, :target], self.sink_v[:, :, :target]
             self._truncate_body(0)
-            self.recent_k, self.recent_v = self.recent_k[:, :, :0], self.recent_v[:, :, :0]
+            self.recent_k, self.recent_v = empty, empty.clone()  # not views: they would keep the window's storage
         elif target <= n_sink + self.body_len:
             keep = target - n_sink
             block = self.recipe.group_block
@@ -414,11 +463,14 @@ class OscarLayer(CacheLayerMixin):
                 self.recent_k = to_model_dtype(k_part, self.dtype).clone()
                 self.recent_v = to_model_dtype(v_part, self.dtype).clone()
             else:
-                self.recent_k, self.recent_v = self.recent_k[:, :, :0], self.recent_v[:, :, :0]
+                self.recent_k, self.recent_v = empty, empty.clone()
             self._truncate_body(aligned)
         else:
             keep = target - n_sink - self.body_len
             self.recent_k, self.recent_v = self.recent_k[:, :, :keep], self.recent_v[:, :, :keep]
+        # the window's buffers serve appends in place only while recent_k / recent_v are their views: drop them
+        # otherwise (a kept view still holds its buffer, and memory_bytes counts it)
+        self._recent_buffers = None
         self.seq_len = target
 
     def _truncate_body(self, tokens: int) -> None:
@@ -431,9 +483,11 @@ class OscarLayer(CacheLayerMixin):
             return
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.recent_k, self.recent_v = fn(self.recent_k), fn(self.recent_v)
+        self._recent_buffers = None  # (the old window's buffers: no longer its storage)
         for stream in (self.key_body, self.value_body):
             for buf in stream.buffers():
                 buf.map_(fn)
+            stream._last_read = None  # (a read of the old buffers: it would keep them alive until the next read)
         self.batch_size = self.sink_k.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -460,15 +514,19 @@ class OscarLayer(CacheLayerMixin):
             return out
         for t in (self.sink_k, self.sink_v, self.recent_k, self.recent_v):
             out["full_precision"] += t.numel() * t.element_size()
+        held = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, *(self._recent_buffers or ())]
         for stream in (self.key_body, self.value_body):
             out["codes"] += stream.codes.nbytes
             out["scales"] += stream.scale.nbytes + stream.lo.nbytes
             if stream.norm is not None:
                 out["norms"] += stream.norm.nbytes
-            out["allocated"] += sum(b.allocated_bytes for b in stream.buffers())
-        out["allocated"] += out["full_precision"]
-        bufs = self._recent_buffers
-        if bufs is not None and bufs[2] is self.recent_k and bufs[3] is self.recent_v:  # the window's spare room
-            out["allocated"] += sum((b.numel() - t.numel()) * b.element_size() for b, t in zip(bufs[:2], bufs[2:]))
+            held += [b.data for b in stream.buffers() if b.data is not None]
+        # the storage behind every tensor held, each once: buffer capacity, and whole windows behind views (a crop
+        # or a batch selection leaves views into larger storage)
+        storages = {}
+        for t in held:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr(), storage.device] = storage.nbytes()
+        out["allocated"] = sum(storages.values())
         out["elements"] = 2 * self.batch_size * self.num_heads * self.head_dim * self.seq_len
         return out

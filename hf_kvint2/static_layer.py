@@ -89,6 +89,35 @@ class FixedShapeLayerMixin:
     def offload(self):
         raise ValueError("A static Oscar cache does not support offloading.")
 
+    @property
+    def keys(self):
+        """transformers' ``layer.keys``: None before the first update, then a clear error (see :meth:`_no_tensor`)."""
+        return self._no_tensor("keys")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:  # (CacheLayerMixin.__init__ sets both to None)
+            raise NotImplementedError(f"{self._name}: keys cannot be assigned; update() writes the layer's buffers.")
+
+    @property
+    def values(self):
+        """transformers' ``layer.values``: see :meth:`keys`."""
+        return self._no_tensor("values")
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise NotImplementedError(f"{self._name}: values cannot be assigned; update() writes the layer's buffers.")
+
+    def _no_tensor(self, name: str):
+        """A static layer's K/V live in fixed-size buffers by slot (a sink, a ring, INT2 codes), not in a tensor by
+        position: code that reads ``layer.keys`` would otherwise get None and go on without them."""
+        if self.is_initialized:
+            raise NotImplementedError(f"{self._name} holds its {name} in fixed-size buffers (state_names(): a sink, a "
+                                      "ring, INT2 codes), not as a tensor by position. Read layer.state_tensors() "
+                                      "(what an exported program carries), or use transformers' StaticCache for code "
+                                      "that reads layer.keys / layer.values.")
+
     def prefetch(self):
         pass
 

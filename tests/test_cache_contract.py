@@ -411,6 +411,119 @@ def test_crop_of_nothing_and_of_everything(tiny_model):
     assert cache.get_seq_length() == 5
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_crop_takes_a_negative_count_as_dynamic_cache_does(tiny_model, kind):
+    """crop(-n) removes the newest n tokens; a positive value (the length to keep, which older transformers took)
+    is refused as DynamicCache refuses it, naming the call that keeps a given length."""
+    model = tiny_model("llama")
+    cache, reference = quantized_cache(kind), DynamicCache()
+    ids = prompt(length=24, seed=3)
+    forward(model, ids, cache)
+    forward(model, ids, reference)
+    with pytest.raises(ValueError, match="positive"):
+        reference.crop(5)
+    with pytest.raises(ValueError, match=r"crop\(5\): .*negative .*cache.crop\(L - cache.get_seq_length\(\)\)"):
+        cache.crop(5)
+    assert cache.get_seq_length() == 24
+    cache.crop(5 - cache.get_seq_length())
+    assert cache.get_seq_length() == 5
+
+
+class _FakeStream:
+    """Stands in for the CUDA streams of transformers' offloading on a CPU-only machine (no-op waits)."""
+
+    def wait_stream(self, other):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Offloaded:
+    """What an offloaded layer's storage looks like to this test: anything that reads it fails."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"read the offloaded layer's {name}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_offloading_as_dynamic_cache_with_the_oscar_attention(tiny_model, kind, monkeypatch):
+    """offloading=True is taken as DynamicCache takes it (transformers' CUDA offloading: each layer leaves the
+    device as soon as its update returns and is prefetched before its next one). The "oscar" attention reads a layer
+    after its update returned, from what the update's step holds, so it never reads the offloaded layer (here its
+    storage is made unreadable while offloaded); the logits are those without offloading."""
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: _FakeStream())
+    model = tiny_model("llama", attn="oscar")
+    ids = prompt(length=30, seed=4)
+    reference = quantized_cache(kind)
+    want = [forward(model, ids[:, :20], reference)] + [forward(model, ids[:, t:t + 1], reference) for t in range(20, 30)]
+    cache = quantized_cache(kind, offloading=True)
+    assert cache.offloading and not cache.only_non_sliding  # DynamicCache's default: every layer is offloaded
+    cache.prefetch_stream = _FakeStream()
+    names = ("sink_k", "sink_v", "recent_k", "recent_v", "key_body", "value_body")
+    away, moves = {}, []
+
+    def offload(layer):
+        away[layer.layer_idx] = {name: getattr(layer, name) for name in names}
+        for name in names:
+            setattr(layer, name, _Offloaded())
+        moves.append(("offload", layer.layer_idx))
+
+    def prefetch(layer):
+        for name, value in away.pop(layer.layer_idx, {}).items():
+            setattr(layer, name, value)
+
+    monkeypatch.setattr(OscarLayer, "offload", offload)
+    monkeypatch.setattr(OscarLayer, "prefetch", prefetch)
+    got = [forward(model, ids[:, :20], cache)] + [forward(model, ids[:, t:t + 1], cache) for t in range(20, 30)]
+    assert moves.count(("offload", 0)) == moves.count(("offload", 1)) == 11
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert cache.layers[0].body_len > 0 and cache.layers[0].fused_attention
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_keys_are_given_where_no_dequantization_is_needed_and_refused_after(kind):
+    """transformers' layer.keys / .values: None before the first update (as DynamicLayer's), every token while
+    all are in the full-precision windows, and once tokens are INT2 codes a clear error naming dequantized_kv()
+    and DynamicCache, not None (code that reads a layer's tensors would go on without them)."""
+    cache = quantized_cache(kind)
+    k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    assert cache.update(k, v, 0) is not None
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    cache.update(torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16), 0)
+    assert layer.body_len > 0
+    for name in ("keys", "values"):
+        with pytest.raises(NotImplementedError, match=f"INT2 codes, not as a {name} tensor.*dequantized_kv.*"
+                                                      "DynamicCache"):
+            getattr(layer, name)
+    got_k, got_v = layer.dequantized_kv()
+    want_k, want_v = stored_kv(layer)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and got_k.shape[-2] == 36
+    with pytest.raises(NotImplementedError, match="cannot be assigned"):
+        layer.keys = k
+    layer.reset()
+    assert layer.keys is None and layer.values is None
+
+
+def test_static_layer_keys_are_refused_once_it_holds_tokens():
+    """A static layer keeps its K/V in fixed-size buffers by slot: layer.keys / .values are None before the first
+    update (as transformers' layers) and afterwards a clear error naming state_tensors() and StaticCache, not None."""
+    from hf_kvint2.static_cache import StaticOscarCache
+
+    cache = StaticOscarCache.from_cache(quantized_cache("scaled"), tiny_config("llama"), 64)
+    assert all(layer.keys is None and layer.values is None for layer in cache.layers)
+    k = torch.randn(1, 2, 6, 16)
+    cache.update(k, k, 0)
+    for name in ("keys", "values"):
+        with pytest.raises(NotImplementedError, match=f"holds its {name} in fixed-size buffers.*state_tensors.*"
+                                                      "StaticCache"):
+            getattr(cache.layers[0], name)
+
+
 # ---------------------------------------------------------------------------------------------- layer types
 def _sliding_config(layer_types, **kw):
     return tiny_config("qwen2", layer_types=layer_types, sliding_window=6, use_sliding_window=True, **kw)
@@ -469,8 +582,9 @@ def test_bad_input_errors_name_the_problem(kind):
     k, v = _kv()
     with pytest.raises(ValueError, match="differ in shape"):
         cache.update(k, v[:, :, :2], 0)
-    with pytest.raises(ValueError, match="head_dim=18 is not supported"):
-        quantized_cache(kind).update(*_kv(d=18), 0)
+    for d in (18, 1):  # INT2 packs four channels per byte; the error names the cache that stores any head_dim
+        with pytest.raises(ValueError, match=f"head_dim={d} is not supported: .*multiple of 4.*DynamicCache"):
+            quantized_cache(kind).update(*_kv(d=d), 0)
     assert cache.get_seq_length() == 3  # rejected calls left the cache untouched
     cache.reset()
     cache.update(*_kv(b=2, h=3), 0)  # after reset a different shape is fine
