@@ -22,6 +22,7 @@ is a plain module attribute, which tracing handles; :meth:`OscarExportableModule
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -132,7 +133,33 @@ class OscarExportableModule(torch.nn.Module):
     def bind(self) -> None:
         bind_static_cache(self.model, self.static_cache)
 
+    @contextmanager
+    def _layers_on_buffers(self):
+        """Point every layer's state at this module's buffers while a step runs. Eagerly they are the same tensors;
+        ``torch.export`` swaps the module's buffers for its own traced values, and the layers must read and write
+        those (tensors reached only through the layers would be captured as constants: copied into the program,
+        their writes lost)."""
+        if not self._state_as_buffers:
+            yield
+            return
+        saved = []
+        for i, layer in enumerate(self.static_cache.layers):
+            names = [*layer.state_names(), "cumulative_length"]
+            saved.append((layer, [(name, getattr(layer, name)) for name in names]))
+            for name in names:
+                setattr(layer, name, getattr(self, f"cache_{i}_{name}"))
+        try:
+            yield
+        finally:
+            for layer, pairs in saved:
+                for name, t in pairs:
+                    setattr(layer, name, t)
+
     def _run_model(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        with self._layers_on_buffers():
+            return self._run_model_on_layers(input_ids, cache_position)
+
+    def _run_model_on_layers(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         b, n = input_ids.shape
         if b != self.batch_size:
             raise ValueError(f"input_ids has batch {b} but this module was built for batch_size={self.batch_size}.")

@@ -211,6 +211,23 @@ def test_generate_through_exported_program(model):
     assert torch.equal(out, ref)
 
 
+def test_exported_program_mutates_its_cache_buffers(model):
+    """The cache is the program's state: functionalized, the program writes every state tensor of every layer back
+    as a buffer mutation, and no constant of the program shares memory with a buffer (tensors the layers reach
+    outside the module's buffers would be captured as constants: copied by a serializer, their writes lost)."""
+    module = _module(model, "mixed")
+    try:
+        program = export_decoder(model, module=module, max_cache_len=MAX_LEN)
+    finally:
+        module.unbind()
+    functional = program.run_decompositions({})
+    mutated = set(functional.graph_signature.buffers_to_mutate.values())
+    assert mutated == {name for name, _ in module.named_buffers() if name.startswith("cache_")}
+    buffers = {t.untyped_storage().data_ptr() for t in program.buffers()}
+    lifted = program.graph_signature.lifted_tensor_constants
+    assert not [name for name in lifted if program.constants[name].untyped_storage().data_ptr() in buffers]
+
+
 def _float_kv_temporaries(program, head_dim):
     """Token extents of every float [..., tokens, head_dim] value the exported graph computes."""
     sizes = []
