@@ -96,16 +96,20 @@ def check_orthogonal(r: torch.Tensor, name: str, atol: float = 1e-4) -> None:
 def row_quantile(a: torch.Tensor, ratio: float) -> torch.Tensor:
     """Linear-interpolated ``ratio`` quantile of each row of ``a`` (last dim), like ``torch.quantile`` but with
     no size limit."""
-    return _sorted_quantile(a.sort(dim=-1).values, ratio)
+    d = a.shape[-1]
+    return _quantile_from_top(a.topk(d - math.floor(ratio * (d - 1)), dim=-1).values, d, ratio)
 
 
-def _sorted_quantile(srt: torch.Tensor, ratio: float) -> torch.Tensor:
-    d = srt.shape[-1]
+def _quantile_from_top(top: torch.Tensor, d: int, ratio: float) -> torch.Tensor:
+    """The ``ratio`` quantile of rows of ``d`` values from ``top``, each row's largest values in descending order
+    (at least ``d - floor(ratio * (d - 1))`` of them). ``topk``, not a full sort: ExecuTorch's kernels have no sort,
+    and the clip quantiles sit near the top of a row; ``top[..., j]`` is the ``(d - 1 - j)``-th smallest value."""
     pos = ratio * (d - 1)
     i0 = math.floor(pos)
     i1 = min(i0 + 1, d - 1)
     frac = pos - i0
-    return srt[..., i0 : i0 + 1] * (1 - frac) + srt[..., i1 : i1 + 1] * frac
+    lo, hi = d - 1 - i0, d - 1 - i1
+    return top[..., lo : lo + 1] * (1 - frac) + top[..., hi : hi + 1] * frac
 
 
 # Clipping never takes a coordinate below this fraction of its row's largest |x|: a row whose energy sits in a few
@@ -124,10 +128,11 @@ def clip_rows(x: torch.Tensor, ratio: float | None) -> torch.Tensor:
     if ratio is None or ratio >= 1.0:
         return x
     a = x.abs()
-    srt = a.sort(dim=-1).values
-    top = srt[..., -1:]
-    second = srt[..., -2:-1] if srt.shape[-1] > 1 else torch.zeros_like(top)
-    tau = torch.maximum(torch.maximum(_sorted_quantile(srt, ratio), CLIP_FLOOR * top), top - second)
+    d = a.shape[-1]
+    largest = a.topk(max(d - math.floor(ratio * (d - 1)), min(2, d)), dim=-1).values  # descending
+    top = largest[..., :1]
+    second = largest[..., 1:2] if d > 1 else torch.zeros_like(top)
+    tau = torch.maximum(torch.maximum(_quantile_from_top(largest, d, ratio), CLIP_FLOOR * top), top - second)
     return torch.minimum(torch.maximum(x, -tau), tau)
 
 

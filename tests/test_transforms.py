@@ -119,6 +119,29 @@ def test_row_quantile_matches_torch_and_clip_bounds_rows():
     assert c[2, 5] == 1.5 and c[2, 6] == 1.5
 
 
+def test_row_quantile_takes_the_sorted_rows_order_statistics_without_a_sort():
+    """Bit for bit the interpolation of a full sort's neighbours (ties and one-channel rows included), computed from
+    the top of each row: the traced graph has no sort, nor has clip_rows' (ExecuTorch's portable kernels have none)."""
+    import math
+
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(1))
+    x[0, 0, :8] = 0.25  # ties
+    for d in (1, 2, 7, 64):
+        for ratio in (0.0, 0.3, 0.92, 0.96, 0.999, 1.0):
+            a = x[..., :d].abs()
+            srt, pos = a.sort(dim=-1).values, ratio * (d - 1)
+            i0 = math.floor(pos)
+            i1, frac = min(i0 + 1, d - 1), pos - i0
+            assert torch.equal(row_quantile(a, ratio), srt[..., i0:i0 + 1] * (1 - frac) + srt[..., i1:i1 + 1] * frac)
+
+    class Quantile(torch.nn.Module):
+        def forward(self, a):
+            return row_quantile(a, 0.96), clip_rows(a, 0.96)
+
+    graph = torch.export.export(Quantile(), (x.abs(),)).run_decompositions({}).graph
+    assert not [n for n in graph.nodes if "sort" in str(n.target)]
+
+
 @pytest.mark.parametrize("d", [80, 96, 48])
 def test_non_power_of_two_head_dim_error_names_working_settings(d):
     with pytest.raises(ValueError, match=rf"power-of-two size, got {d}.*hadamard_block={d & -d}.*k_rotations"):
