@@ -133,6 +133,8 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
     is_sliding = False
     is_croppable = False
     is_compileable = True
+    # The body-partial backend of attend (traceable); hf_kvint2.export_executorch sets another formulation.
+    body_partial = staticmethod(body_partial_blocked)
 
     def __init__(self, recipe: LayerRecipe, max_cache_len: int, layer_idx: int | None = None,
                  attention_block: int = BODY_BLOCK_TOKENS):
@@ -421,7 +423,7 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
                 torch.ones(lq, lq, dtype=torch.bool, device=dev).triu(1), _NEG_INF)[None, None]
         after.append((key_states, value_states, chunk_mask))
         return attend_segments(query, before, self.body("key"), self.body("value"), body_mask, after, scaling,
-                               body_partial_blocked, block_tokens=self.attention_block)
+                               self.body_partial, block_tokens=self.attention_block)
 
     def body(self, prefix: str) -> QuantizedBody:
         """The ``"key"`` or ``"value"`` body over its whole capacity (unwritten tokens are masked by readers)."""
