@@ -404,5 +404,34 @@ def onnx_generate(session, spec: OnnxDecoderSpec, prompt_ids, max_new_tokens: in
     return tokens
 
 
+TARGETS = ("executorch",)
+
+
+def main(argv=None) -> int:
+    """``python -m hf_kvint2.export --to executorch OUTPUT ...``: the command line of the exporters that write a
+    file for another runtime; the arguments after ``--to TARGET`` are the target's (``--to executorch --help``)."""
+    import argparse
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m hf_kvint2.export", add_help=False,
+                                description="Write a decoder with a static INT2 cache as a program for another "
+                                            "runtime. The other arguments are the target's: --to executorch --help.")
+    p.add_argument("--to", choices=TARGETS, help="the runtime: executorch (an ExecuTorch .pte program)")
+    args, rest = p.parse_known_args(argv)
+    if args.to is None:
+        if any(a in ("-h", "--help") for a in rest):
+            p.print_help()
+            return 0
+        p.error(f"--to is required: one of {', '.join(TARGETS)}")
+    from .export_executorch import main as export_executorch_main
+
+    return export_executorch_main(rest, prog=f"{p.prog} --to {args.to}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
 __all__ = ["OnnxDecoderSpec", "OscarExportableModule", "OscarOnnxDecoder", "bind_static_cache", "export_decoder",
-           "export_onnx", "generate", "onnx_generate", "onnx_initial_state", "onnx_step", "unbind_static_cache"]
+           "export_onnx", "generate", "main", "onnx_generate", "onnx_initial_state", "onnx_step", "unbind_static_cache"]
