@@ -404,7 +404,8 @@ def onnx_generate(session, spec: OnnxDecoderSpec, prompt_ids, max_new_tokens: in
     return tokens
 
 
-TARGETS = ("executorch",)
+# Each target's module builds on this one, so it is named here and imported only when the command runs it.
+TARGETS = {"executorch": "hf_kvint2.export_executorch"}
 
 
 def main(argv=None) -> int:
@@ -417,16 +418,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_kvint2.export", add_help=False,
                                 description="Write a decoder with a static INT2 cache as a program for another "
                                             "runtime. The other arguments are the target's: --to executorch --help.")
-    p.add_argument("--to", choices=TARGETS, help="the runtime: executorch (an ExecuTorch .pte program)")
+    p.add_argument("--to", choices=sorted(TARGETS), help="the runtime: executorch (an ExecuTorch .pte program)")
     args, rest = p.parse_known_args(argv)
     if args.to is None:
         if any(a in ("-h", "--help") for a in rest):
             p.print_help()
             return 0
         p.error(f"--to is required: one of {', '.join(TARGETS)}")
-    from .export_executorch import main as export_executorch_main
+    import importlib
 
-    return export_executorch_main(rest, prog=f"{p.prog} --to {args.to}")
+    return importlib.import_module(TARGETS[args.to]).main(rest, prog=f"{p.prog} --to {args.to}")
 
 
 if __name__ == "__main__":
