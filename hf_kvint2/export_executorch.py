@@ -22,6 +22,7 @@ Needs ``pip install executorch`` (the ``[executorch]`` extra). Two things the lo
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -153,6 +154,9 @@ def _lower(program: torch.export.ExportedProgram, metadata: dict, xnnpack: bool)
 
     partitioner = []
     if xnnpack:  # imported only then: the backend's import alone takes seconds
+        if importlib.util.find_spec("torchao") is None:
+            raise ImportError("ExecuTorch's XNNPACK backend needs torchao: `pip install torchao`, or lower with "
+                              "portable kernels only (xnnpack=False, --no-xnnpack on the command line).")
         from executorch.backends.xnnpack.partition.config.gemm_configs import LinearConfig
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
