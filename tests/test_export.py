@@ -328,7 +328,7 @@ def test_model_generate_with_static_cache(model, attn, monkeypatch):
     cache that stores the padding the same way."""
     import hf_kvint2.layers
 
-    monkeypatch.setattr(hf_kvint2.layers, "left_padding", lambda position_ids, n_new: 0)
+    monkeypatch.setattr(hf_kvint2.layers, "left_padding", lambda position_ids, n_new, where=None: 0)
     calls = []
     original = StaticOscarLayer.attend
     monkeypatch.setattr(StaticOscarLayer, "attend", lambda self, *a: calls.append(1) or original(self, *a))
