@@ -314,11 +314,13 @@ def plot(result: dict, path: Path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="build,equality,memory,speed")
+    p.add_argument("--parts", default="build,equality,memory,speed",
+                   help="comma-separated: build the programs, compare greedy tokens with the eager cache, measure "
+                        "memory, measure decode speed")
     p.add_argument("--workdir", default="/tmp/hf_kvint2_pte", help="where the .pte files are written and reused")
-    p.add_argument("--max-cache-len", type=int, default=8192)
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--max-cache-len", type=int, default=8192, help="positions of the memory and speed programs")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length of the token comparison")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens compared after the prompt")
     p.add_argument("--speed-steps", type=int, default=8, help="timed rounds per position (one step per program)")
     p.add_argument("--profile", action="store_true", help="also one ETDump profile per SmolLM2 program")
     p.add_argument("--programs", default="", help="comma-separated program names to build / compare (default all)")
