@@ -12,6 +12,8 @@ SDPA does); earlier tokens are attended as stored.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -44,6 +46,21 @@ def one_dtype(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         common = torch.promote_types(k.dtype, v.dtype)
         return k.to(common), v.to(common)
     return k, v
+
+
+def write_path_inputs(update):
+    """Wraps a layer's ``update``: the write path runs without autocast (which would run its matmuls in 16 bits and
+    change what is stored), on K and V in one dtype (:func:`one_dtype`; CPU autocast gives float32 keys and
+    bfloat16 values)."""
+    @functools.wraps(update)
+    def wrapped(self, key_states, value_states, *args, **kwargs):
+        if any_autocast() and torch.is_autocast_enabled(key_states.device.type):
+            with torch.autocast(key_states.device.type, enabled=False):
+                return wrapped(self, key_states, value_states, *args, **kwargs)
+        if key_states.dtype != value_states.dtype:
+            key_states, value_states = one_dtype(key_states, value_states)
+        return update(self, key_states, value_states, *args, **kwargs)
+    return wrapped
 
 
 def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str, update_args: tuple = ((), {})) -> None:
@@ -205,13 +222,8 @@ class OscarLayer(CacheLayerMixin):
         self.is_initialized = True
 
     # ------------------------------------------------------------------ update
+    @write_path_inputs
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # autocast would run the write path's matmuls in 16 bits and change what is stored
-        if any_autocast() and torch.is_autocast_enabled(key_states.device.type):
-            with torch.autocast(key_states.device.type, enabled=False):
-                return self.update(key_states, value_states, *args, **kwargs)
-        if key_states.dtype != value_states.dtype:  # e.g. CPU autocast: float32 keys, bfloat16 values
-            key_states, value_states = one_dtype(key_states, value_states)
         validate_kv(self, key_states, value_states, fix=RESET_FIX, update_args=(args, kwargs))
         n_new = key_states.shape[-2]
         if not self.is_initialized:

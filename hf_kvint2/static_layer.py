@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .layers import QUANTIZE_BLOCK_TOKENS, OscarLayer, any_autocast, one_dtype, validate_kv
+from .layers import QUANTIZE_BLOCK_TOKENS, OscarLayer, validate_kv, write_path_inputs
 from .quant import SCALE_DTYPES, QuantizedGroups, to_model_dtype
 from .quant import tracing as _tracing
 from .read_path import BODY_BLOCK_TOKENS, attend_segments, body_partial_blocked, mask_to_additive
@@ -232,13 +232,8 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
         self._write(name, dim, index, torch.where(flag, value.to(old.dtype), old))
 
     # ------------------------------------------------------------------ update
+    @write_path_inputs
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # autocast would run the write path's matmuls in 16 bits and change what is stored
-        if any_autocast() and torch.is_autocast_enabled(key_states.device.type):
-            with torch.autocast(key_states.device.type, enabled=False):
-                return self.update(key_states, value_states, *args, **kwargs)
-        if key_states.dtype != value_states.dtype:  # e.g. CPU autocast: float32 keys, bfloat16 values
-            key_states, value_states = one_dtype(key_states, value_states)
         validate_kv(self, key_states, value_states, fix=STATIC_FIX, update_args=(args, kwargs))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
