@@ -2,11 +2,13 @@
 
 Every backend computes the body's partial attention in the rotated space (see :mod:`hf_kvint2.read_path`):
 ``backend(q_rot, key: QuantizedBody, value: QuantizedBody, *, scaling, key_mean_logits=None, mask=None,
-**options) -> (out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``. Registered here:
+**options) -> (out_rot [B, Hq, Lq, D] fp32, lse [B, Hq, Lq] fp32)``. Registered here
+(:class:`~hf_kvint2.read_path.BodyBackend` entries):
 
 * ``"torch"``: :func:`hf_kvint2.read_path.body_partial_blocked`, any device, traceable (static caches, export).
-* ``"numba"``: :func:`hf_kvint2.cpu_kernels.body_attention`, CPU, when Numba is installed; it also runs a dynamic
-  layer's whole decode step (windows, body and merge) as one call, :func:`hf_kvint2.cpu_kernels.layer_step_attention`.
+* ``"numba"``: :func:`hf_kvint2.cpu_kernels.body_attention`, CPU, when Numba is installed; it also offers a dynamic
+  layer's whole decode step (windows, body and merge) as one call, :func:`hf_kvint2.cpu_kernels.layer_step_attention`,
+  which :func:`hf_kvint2.read_path.attend_segments` calls for the steps it serves.
 * ``"triton"``: :func:`hf_kvint2.kernels.body_attention`, CUDA, when Triton is installed.
 
 A new backend: write the function, add a :class:`BodyBackend` entry to ``BODY_BACKENDS`` (device type and an
@@ -17,40 +19,18 @@ availability check), and test it against :func:`hf_kvint2.read_path.reference_bo
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from . import cpu_kernels, kernels
-from .read_path import BodyPartial, body_partial_blocked
+from .read_path import TORCH_BODY, BodyBackend
 
 CPU_KERNEL_ENV = "HF_KVINT2_CPU_KERNEL"  # "torch" forces the PyTorch body on CPU (default: Numba when installed)
-
-
-@dataclass(frozen=True)
-class BodyBackend:
-    name: str
-    device_type: str | None  # None: any device
-    available: Callable[[], bool]
-    run: BodyPartial
-    # The Triton kernel's matrix products take the model's 16-bit dtype as operands (fp32 accumulation), as flash
-    # attention does; the rotated query reaching it is fp32, so the model dtype is passed as an option.
-    takes_dot_dtype: bool = False
-    # Optional: the whole attention step of a dynamic layer in one call (same arguments as
-    # read_path.attend_segments' segments: query, (sink k, v), key body, value body, (tail k, v), scaling=, mask=),
-    # used by steps.LayerStep.attend where ``serves_layer_step(query, key_body)`` holds.
-    layer_step: Callable | None = None
-    serves_layer_step: Callable[..., bool] = lambda query, key_body: False
-
-    def options(self, query) -> dict:
-        """Backend options that depend on the query (the model's dtype)."""
-        return {"dot_dtype": query.dtype} if self.takes_dot_dtype else {}
 
 
 BODY_BACKENDS = {
     "triton": BodyBackend("triton", "cuda", kernels.triton_available, kernels.body_attention, takes_dot_dtype=True),
     "numba": BodyBackend("numba", "cpu", cpu_kernels.available, cpu_kernels.body_attention,
                          layer_step=cpu_kernels.layer_step_attention, serves_layer_step=cpu_kernels.serves_layer_step),
-    "torch": BodyBackend("torch", None, lambda: True, body_partial_blocked),
+    "torch": TORCH_BODY,
 }
 
 

@@ -35,7 +35,7 @@ from .cache import OscarCache, OscarScaledCache
 from .code_matmul import body_partial_codes
 from .export import OscarExportableModule, export_decoder
 from .model_config import WINDOWED, layer_plan, model_shape
-from .read_path import body_partial_blocked
+from .read_path import TORCH_BODY, BodyBackend
 from .static_cache import static_cache_like
 from .static_layer import StaticOscarLayer
 
@@ -222,7 +222,7 @@ def _write(program, path, metadata: dict, kind: str, max_cache_len: int, xnnpack
                                  buffers, seconds, _delegated_nodes(manager) if xnnpack else 0)
 
 
-READ_PATHS = {"codes": body_partial_codes, "blocked": body_partial_blocked}
+READ_PATHS = {"codes": BodyBackend("codes", None, lambda: True, body_partial_codes), "blocked": TORCH_BODY}
 DEFAULT_ATTENTION_BLOCK = 2048  # body tokens per block in a program (fewer, larger blocks: a smaller graph)
 
 
@@ -238,7 +238,7 @@ def executorch_module(model, cache=None, *, max_cache_len: int, attention_block:
                                    attention_block=attention_block)
     for layer in module.static_cache.layers:
         if isinstance(layer, StaticOscarLayer):
-            layer.body_partial = READ_PATHS[read]
+            layer.body_backend = READ_PATHS[read]
     return module
 
 

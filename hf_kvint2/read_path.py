@@ -1,11 +1,13 @@
 """The read path: attention of a query over full-precision segments and one INT2 body, merged by log-sum-exp.
 
-One pipeline (:func:`attend_segments`) serves the dynamic layers' fused step, the static (export) layers and the
-Triton whole-layer step: dense partials for the full-precision segments before the body (the sink), the body's
-partial from a backend (:mod:`hf_kvint2.backends`; computed in the rotated space with ``q' = q R_K`` and
-``q.k = n_t (q'.k~) + q.mu_K``, then de-rotated once, ``out = out_rot R_V^T + mu_V``), dense partials for the
-segments after it (recent window, current chunk), and the log-sum-exp merge. GQA groups query heads by their KV
-head; K/V are never repeated. Masks follow SDPA (bool: True attends; float: added).
+One function composes a step, :func:`attend_segments`: dense partials for the full-precision segments before the
+body (the sink), the body's partial from a backend (:class:`BodyBackend`, registered in
+:mod:`hf_kvint2.backends`; computed in the rotated space with ``q' = q R_K`` and ``q.k = n_t (q'.k~) + q.mu_K``,
+then de-rotated once, ``out = out_rot R_V^T + mu_V``), dense partials for the segments after it (recent window,
+current chunk), and the log-sum-exp merge. GQA groups query heads by their KV head; K/V are never repeated. It
+serves the dynamic layers' step, the static (export) layers and the Triton whole-layer step; a backend that can run
+a whole step in one call (:attr:`BodyBackend.layer_step`) is called from there, on the same arguments. Masks
+follow SDPA (bool: True attends; float: added) and are built in one place, :func:`step_mask`.
 
 :func:`body_partial_blocked` is the PyTorch body backend (traceable, used by the static caches) and
 :func:`reference_body_partial` the one dense reference every backend is tested against.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +32,52 @@ def mask_to_additive(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     return mask.float()
+
+
+def step_mask(model_mask: torch.Tensor | None, queries: range | torch.Tensor, keys: range | torch.Tensor,
+                   device, *, valid: torch.Tensor | None = None, window: int | None = None,
+                   causal: bool = True) -> torch.Tensor | None:
+    """The additive fp32 mask ``[B or 1, 1, Lq, n]`` of one attention step (SDPA's conventions), or None where no
+    key is masked: the one place masks are built.
+
+    queries / keys: the absolute positions of the query rows and of the key columns, as a ``range`` (contiguous: the
+    model's mask is sliced) or a LongTensor ``[Lq]`` / ``[n]`` (any order, e.g. the slots of a static layer's ring).
+    model_mask: the model's mask over absolute positions, bool or additive ``[B or 1, 1, Lq, >= positions]``, or
+    None. A key is attended where ``valid`` ``[n]`` holds (a slot that holds a position), within ``window``
+    positions of the query (``key > query - window``), and where the model's mask allows it; without a model mask,
+    where it is not after the query (``causal``).
+    """
+    contiguous = isinstance(queries, range) and isinstance(keys, range)
+    out = None
+    if model_mask is not None:
+        if model_mask.dim() != 4 or model_mask.shape[1] != 1:
+            raise ValueError(f"The attention mask must be [batch, 1, query_len, key_len], got {tuple(model_mask.shape)}"
+                             " (per-head masks are read by SDPA on the portable view).")
+        if isinstance(keys, range):
+            if keys.step != 1 or model_mask.shape[-1] < keys.stop:
+                raise ValueError(f"The attention mask has {model_mask.shape[-1]} key columns; this step reads "
+                                 f"positions {keys.start}..{keys.stop - 1}.")
+            out = mask_to_additive(model_mask[..., keys.start:keys.stop])
+        else:
+            out = mask_to_additive(model_mask).index_select(-1, keys.clamp(0, model_mask.shape[-1] - 1))
+    causal = causal and model_mask is None
+    if contiguous and valid is None and (not causal or keys.stop - 1 <= queries.start) and \
+            (window is None or keys.start > queries.stop - 1 - window):
+        return out  # every key is at or before every query (a decode step) and within the window
+    q = torch.arange(queries.start, queries.stop, device=device) if isinstance(queries, range) else queries
+    k = torch.arange(keys.start, keys.stop, device=device) if isinstance(keys, range) else keys
+    allowed = None
+    if causal:
+        allowed = k[None, :] <= q[:, None]
+    if window is not None:
+        inside = k[None, :] > q[:, None] - window
+        allowed = inside if allowed is None else allowed & inside
+    if valid is not None:
+        allowed = valid[None, :] if allowed is None else allowed & valid[None, :]
+    if allowed is None:
+        return out
+    rule = torch.where(allowed, 0.0, float("-inf")).to(torch.float32)[None, None]
+    return rule if out is None else out + rule
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -99,24 +148,69 @@ def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[
 BodyPartial = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, value_body, body_mask,
-                    after: Sequence[tuple], scaling: float, body_partial: BodyPartial, fused_dense: bool = False,
-                    **options) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, Lq, D] over ``before`` segments, the body, ``after`` segments (that order).
+@dataclass(frozen=True)
+class BodyBackend:
+    """A body-partial backend (:data:`BodyPartial`) for a device type (None: any), with an availability check.
 
-    before / after: ``(k, v, additive mask or None)`` full-precision segments [B, Hkv, n, D]. key_body /
-    value_body: :class:`~hf_kvint2.stream.QuantizedBody` (their ``tokens`` are attended), body_mask: bool or
-    additive over those tokens, or None. ``fused_dense``: see :func:`dense_partial` (the dynamic layers' eager
-    step). ``options`` go to the backend. Returns [B, Hq, Lq, D] in query.dtype.
+    ``layer_step`` (optional): the whole step of :func:`attend_segments` in one call, ``layer_step(query, (sink k,
+    v), key body, value body, (tail k, v), *, scaling, mask, **options)`` with ``mask`` over all columns, for the
+    steps that ``serves_layer_step(query, key_body)`` accepts (one segment on each side of the body). It is called
+    only by :func:`attend_segments` and must give what the composition gives with the reference body."""
+
+    name: str
+    device_type: str | None
+    available: Callable[[], bool]
+    run: BodyPartial
+    # The Triton kernel's matrix products take the model's 16-bit dtype as operands (fp32 accumulation), as flash
+    # attention does; the rotated query reaching it is fp32, so the model dtype is passed as an option.
+    takes_dot_dtype: bool = False
+    layer_step: Callable | None = None
+    serves_layer_step: Callable[..., bool] = lambda query, key_body: False
+
+    def options(self, query) -> dict:
+        """Backend options that depend on the query (the model's dtype)."""
+        return {"dot_dtype": query.dtype} if self.takes_dot_dtype else {}
+
+
+def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, value_body, after: Sequence[tuple],
+                    scaling: float, backend: BodyBackend, mask: torch.Tensor | None = None, *,
+                    fused_dense: bool = False, **options) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over the ``before`` segments, the body and the ``after`` segments, in
+    that order: the one composition of the read path.
+
+    before / after: ``(k, v)`` full-precision segments [B, Hkv, n, D]. key_body / value_body:
+    :class:`~hf_kvint2.stream.QuantizedBody` (their ``tokens`` are attended). mask: bool or additive over all the
+    columns in that order, broadcastable to [B, 1, Lq, columns] (:func:`step_mask`), or None. ``backend``
+    reads the body (with ``options``); where it offers the whole step in one call and serves this one
+    (:class:`BodyBackend`), that call is the step. ``fused_dense``: see :func:`dense_partial` (the dynamic layers'
+    eager step). Returns [B, Hq, Lq, D] in query.dtype.
     """
+    options = {**backend.options(query), **options}
+    if backend.layer_step is not None and len(before) <= 1 and len(after) == 1 and \
+            backend.serves_layer_step(query, key_body):
+        sink = before[0] if before else (after[0][0][:, :, :0], after[0][1][:, :, :0])
+        return backend.layer_step(query, sink, key_body, value_body, after[0], scaling=scaling, mask=mask, **options)
     groups = query.shape[1] // key_body.codes.shape[1]
     qf = query.float()
-    parts = [dense_partial(qf, k, v, scaling, mask, fused_dense) for k, v, mask in before]
+    mask = mask_to_additive(mask)
+    parts, col = [], 0
+
+    def columns(n: int):
+        return None if mask is None else mask[..., col:col + n]
+
+    for k, v in before:
+        if k.shape[2]:
+            parts.append(dense_partial(qf, k, v, scaling, columns(k.shape[2]), fused_dense))
+        col += k.shape[2]
     kc, vc = key_body.codec, value_body.codec
-    out_rot, lse = body_partial(qf @ kc.rotation, key_body, value_body, scaling=scaling,
-                                key_mean_logits=kc.mean_logits(qf, groups), mask=body_mask, **options)
+    out_rot, lse = backend.run(qf @ kc.rotation, key_body, value_body, scaling=scaling,
+                               key_mean_logits=kc.mean_logits(qf, groups), mask=columns(key_body.tokens), **options)
     parts.append((vc.unrotate(out_rot, groups), lse))
-    parts += [dense_partial(qf, k, v, scaling, mask, fused_dense) for k, v, mask in after]
+    col += key_body.tokens
+    for k, v in after:
+        if k.shape[2]:
+            parts.append(dense_partial(qf, k, v, scaling, columns(k.shape[2]), fused_dense))
+        col += k.shape[2]
     out, _ = merge_partials(parts)
     return out.to(query.dtype)
 
@@ -177,3 +271,7 @@ def reference_body_partial(q_rot, key_body, value_body, *, scaling, key_mean_log
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - finite_or_zero(lse).unsqueeze(-1))
     return (p @ v.unsqueeze(2)).reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+TORCH_BODY = BodyBackend("torch", None, lambda: True, body_partial_blocked)
+REFERENCE_BODY = BodyBackend("reference", None, lambda: True, reference_body_partial)  # what every backend is tested against

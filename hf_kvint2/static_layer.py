@@ -42,13 +42,12 @@ from transformers.cache_utils import CacheLayerMixin
 from .layers import QUANTIZE_BLOCK_TOKENS, OscarLayer, validate_kv, write_path_inputs
 from .quant import SCALE_DTYPES, QuantizedGroups, to_model_dtype
 from .quant import tracing as _tracing
-from .read_path import BODY_BLOCK_TOKENS, attend_segments, body_partial_blocked, mask_to_additive
+from .read_path import BODY_BLOCK_TOKENS, TORCH_BODY, attend_segments, step_mask
 from .recipes import LayerRecipe
 from .steps import StaticStep
 from .stream import QuantizedBody, StreamCodec
 
 STATIC_FIX = "Build the static cache (or export) for the model, batch and dtype you run."
-_NEG_INF = float("-inf")
 
 
 def body_len(tokens_past_sink, recent_tokens: int, block: int):
@@ -133,8 +132,8 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
     is_sliding = False
     is_croppable = False
     is_compileable = True
-    # The body-partial backend of attend (traceable); hf_kvint2.export_executorch sets another formulation.
-    body_partial = staticmethod(body_partial_blocked)
+    # The body reader of attend (traceable); hf_kvint2.export_executorch sets another formulation.
+    body_backend = TORCH_BODY
 
     def __init__(self, recipe: LayerRecipe, max_cache_len: int, layer_idx: int | None = None,
                  attention_block: int = BODY_BLOCK_TOKENS):
@@ -385,40 +384,27 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
         s, r, n = self.sink, self.ring_size, self.body_capacity
         dev = query.device
         p0, b1 = self._step_geometry(lq)
-        add = mask_to_additive(attention_mask)
-        if add is not None:
-            add = add[..., : self.max_cache_len]
-            if add.shape[-1] < self.max_cache_len:
-                raise ValueError(f"{self._name}: the attention mask has {add.shape[-1]} columns, expected "
-                                 f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
-
-        def columns(valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            """Additive mask [B|1, 1, L|1, k] for keys at ``positions`` (clamped into range) valid where ``valid``."""
-            out = torch.where(valid, 0.0, _NEG_INF).to(torch.float32)[None, None, None, :]
-            if add is not None:
-                out = out + add.index_select(-1, positions.clamp(0, self.max_cache_len - 1))
-            return out
-
-        before = []
-        if s:
-            pos = torch.arange(s, device=dev)
-            before.append((self.sink_k, self.sink_v, columns(pos < p0, pos)))
-        pos = s + torch.arange(n, device=dev)
-        body_mask = columns((pos < s + b1) & (pos < p0), pos)
+        if attention_mask is not None and attention_mask.shape[-1] < self.max_cache_len:
+            raise ValueError(f"{self._name}: the attention mask has {attention_mask.shape[-1]} columns, expected "
+                             f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
+        # The position each column holds, and whether it holds one the step may read: the sink's past slots, the
+        # body's stored tokens, the ring's past slots not yet in the body (slot i holds the newest past position
+        # j with (j - s) % r == i), then the chunk.
+        sink_pos = torch.arange(s, device=dev)
+        body_pos = s + torch.arange(n, device=dev)
+        last = p0 - 1
+        ring_pos = last - (last - s - torch.arange(r, device=dev)) % r
+        chunk_pos = p0 + torch.arange(lq, device=dev)
+        positions = torch.cat([sink_pos, body_pos, ring_pos, chunk_pos])
+        valid = torch.cat([sink_pos < p0, (body_pos < s + b1) & (body_pos < p0),
+                           (ring_pos >= s + b1) & (ring_pos >= s), torch.ones(lq, dtype=torch.bool, device=dev)])
+        mask = step_mask(None if attention_mask is None else attention_mask[..., :self.max_cache_len], chunk_pos,
+                         positions, dev, valid=valid)
         ring_k, ring_v = self._ring_snapshot if self._ring_snapshot is not None else (self.ring_k, self.ring_v)
-        slot = torch.arange(r, device=dev)
-        last = p0 - 1  # newest past position; slot i holds the newest past position j with (j - s) % r == i
-        pos = last - (last - s - slot) % r
-        after = [(ring_k, ring_v, columns((pos >= s + b1) & (pos >= s), pos))]
-        cpos = p0 + torch.arange(lq, device=dev)
-        if add is not None:
-            chunk_mask = add.index_select(-1, cpos.clamp(0, self.max_cache_len - 1))
-        else:  # causal within the chunk
-            chunk_mask = torch.zeros(lq, lq, device=dev).masked_fill_(
-                torch.ones(lq, lq, dtype=torch.bool, device=dev).triu(1), _NEG_INF)[None, None]
-        after.append((key_states, value_states, chunk_mask))
-        return attend_segments(query, before, self.body("key"), self.body("value"), body_mask, after, scaling,
-                               self.body_partial, block_tokens=self.attention_block)
+        before = [(self.sink_k, self.sink_v)] if s else []
+        return attend_segments(query, before, self.body("key"), self.body("value"),
+                               [(ring_k, ring_v), (key_states, value_states)], scaling, self.body_backend, mask,
+                               block_tokens=self.attention_block)
 
     def body(self, prefix: str) -> QuantizedBody:
         """The ``"key"`` or ``"value"`` body over its whole capacity (unwritten tokens are masked by readers)."""

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .backends import select_body_partial
 from .quant import to_model_dtype, tracing
-from .read_path import attend_segments, mask_to_additive
+from .read_path import attend_segments, step_mask
 
 PORTABLE_PATH_WARNING = (
     "hf_kvint2: this Oscar cache is read through the portable attention path, which dequantizes the layer's whole "
@@ -130,30 +130,21 @@ class LayerStep(_Step):
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
                is_causal: bool) -> torch.Tensor:
-        """Fused attention of ``query`` [B, Hq, Lq, D] over the step, the body read from its codes (SDPA's mask
-        conventions; ``is_causal`` without a mask is top-left aligned, as in SDPA). Returns [B, Hq, Lq, D]."""
+        """Fused attention of ``query`` [B, Hq, Lq, D] over the step, the body read from its codes: the layer's
+        segments through :func:`~hf_kvint2.read_path.attend_segments`. ``attention_mask``: the model's mask over the
+        step's tokens (SDPA's conventions) or None (then ``is_causal``: the queries are the step's last Lq tokens).
+        Returns [B, Hq, Lq, D]."""
+        layer, total = self.layer, self.seq_len
         lq = query.shape[2]
-        n_sink, n_body, total = self.sink_k.shape[-2], self.body_tokens, self.seq_len
-        if attention_mask is None and is_causal and lq > 1:
-            attention_mask = torch.ones(lq, total, dtype=torch.bool, device=query.device).tril()[None, None]
-        mask = mask_to_additive(attention_mask[..., :total]) if attention_mask is not None else None
-
+        mask = None
+        if attention_mask is not None or is_causal:
+            mask = step_mask(attention_mask, range(total - lq, total), range(total), query.device)
         # With gradients enabled for the query: the differentiable PyTorch body reader (the body's codes are data,
         # with no gradient; README).
         backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
-        key_body, value_body = self.key_body, self.value_body
-        if backend.layer_step is not None and backend.serves_layer_step(query, key_body):  # the step in one call
-            return backend.layer_step(query, (self.sink_k, self.sink_v), key_body, value_body,
-                                      (self.tail_k, self.tail_v), scaling=scaling, mask=mask)
-
-        def cols(a, z):
-            return None if mask is None else mask[..., a:z]
-
-        before = [(self.sink_k, self.sink_v, cols(0, n_sink))] if n_sink else []
-        after = [(self.tail_k, self.tail_v, cols(n_sink + n_body, total))]
-        return attend_segments(query, before, key_body, value_body,
-                               cols(n_sink, n_sink + n_body), after, scaling, backend.run, fused_dense=True,
-                               **backend.options(query))
+        key_body, value_body = layer.key_body.read(self.body_tokens), layer.value_body.read(self.body_tokens)
+        return attend_segments(query, [(self.sink_k, self.sink_v)], key_body, value_body, [(self.tail_k, self.tail_v)],
+                               scaling, backend, mask, fused_dense=True)
 
 
 class StaticStep(_Step):

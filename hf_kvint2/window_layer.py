@@ -28,10 +28,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .quant import tracing
-from .read_path import dense_partial, mask_to_additive
+from .read_path import dense_partial, step_mask
 from .static_layer import FixedShapeLayerMixin, _cache_position_from
-
-_NEG_INF = float("-inf")
 
 
 def check_fits_window_dtype(key_states: torch.Tensor, value_states: torch.Tensor, dtype: torch.dtype | None,
@@ -246,34 +244,21 @@ class StaticWindowLayer(FixedShapeLayerMixin, CacheLayerMixin):
     def attend(self, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of ``query`` [B, Hq, L, D] over the past window (ring) and the step's chunk. ``attention_mask``:
-        the model's sliding mask over ``max_cache_len`` absolute columns (bool or additive) or None (the window and
-        causality are applied here either way). Returns [B, Hq, L, D]."""
+        the model's sliding mask over ``max_cache_len`` absolute columns (bool or additive) or None (then causal);
+        the window is applied here either way. Returns [B, Hq, L, D]."""
         lq = query.shape[2]
         dev = query.device
         ring_k, ring_v, pos, valid = self._past(lq)
-        p0 = self.cumulative_length - lq
-        qpos = p0 + torch.arange(lq, device=dev)
-        cpos = qpos
-        window = self.sliding_window
-
-        def allowed(kpos: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
-            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-            if extra is not None:
-                ok = ok & extra[None, :]
-            return torch.where(ok, 0.0, _NEG_INF).to(torch.float32)[None, None]
-
-        ring_mask, chunk_mask = allowed(pos, valid), allowed(cpos)
-        add = mask_to_additive(attention_mask)
-        if add is not None:
-            if add.shape[-1] < self.max_cache_len:
-                raise ValueError(f"{self._name}: the attention mask has {add.shape[-1]} columns, expected "
-                                 f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
-            add = add[..., : self.max_cache_len]
-            ring_mask = ring_mask + add.index_select(-1, pos.clamp(0, self.max_cache_len - 1))
-            chunk_mask = chunk_mask + add.index_select(-1, cpos.clamp(0, self.max_cache_len - 1))
+        if attention_mask is not None and attention_mask.shape[-1] < self.max_cache_len:
+            raise ValueError(f"{self._name}: the attention mask has {attention_mask.shape[-1]} columns, expected "
+                             f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
+        chunk_pos = self.cumulative_length - lq + torch.arange(lq, device=dev)
+        mask = step_mask(None if attention_mask is None else attention_mask[..., :self.max_cache_len], chunk_pos,
+                         torch.cat([pos, chunk_pos]), dev, window=self.sliding_window,
+                         valid=torch.cat([valid, torch.ones(lq, dtype=torch.bool, device=dev)]))
         keys = torch.cat([ring_k.to(key_states.dtype), key_states], dim=2)
         values = torch.cat([ring_v.to(value_states.dtype), value_states], dim=2)
-        out, _ = dense_partial(query, keys, values, scaling, torch.cat([ring_mask, chunk_mask], dim=-1))
+        out, _ = dense_partial(query, keys, values, scaling, mask)
         return out.to(query.dtype)
 
     # ------------------------------------------------------------------ transformers contract

@@ -64,7 +64,7 @@ if __name__ == "kernels":
 
 # The references import hf_kvint2 (absolute imports); they load on first use (PEP 562), so that a stray top-level
 # import of this folder as ``kernels`` (where no library of that name is installed) stays free of side effects.
-_REFERENCES = ("layer_mask", "reference_layer_attention", "reference_quantize_tokens")
+_REFERENCES = ("reference_layer_attention", "reference_quantize_tokens")
 
 
 def __getattr__(name):
@@ -79,7 +79,6 @@ __all__ = [
     "body_attention",
     "kernels_enabled_for",
     "layer_decode_attention",
-    "layer_mask",
     "quantize_stream",
     "quantize_tokens",
     "reference_layer_attention",

@@ -17,9 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_kvint2.read_path import attend_segments
-
-from .reference import layer_mask
+from hf_kvint2.read_path import BodyBackend, attend_segments, step_mask
 
 # Launch settings of the decode kernel (benchmarks/bench_gpu.py sweeps them): tokens per tile ("block_n" for 16-bit
 # dots up to head_dim 128, "block_n_small" at larger head_dims and for IEEE fp32 dots), warps per program, and how
@@ -354,9 +352,13 @@ def layer_decode_attention(query, layer, *, scaling, attention_mask=None, num_sp
         raise ValueError(f"{lq} query tokens but only {n_recent} keys in the recent window: part of this chunk was "
                          "already quantized, so it cannot be attended at full precision by a decode step. Attend "
                          "fresh chunks with SDPA (prefill) instead.")
-    mask = layer_mask(attention_mask, lq, n_sink + n_body + n_recent, query.device)
-    before = [(layer.sink_k, layer.sink_v, mask[..., :n_sink])] if n_sink else []
-    after = [(layer.recent_k, layer.recent_v, mask[..., n_sink + n_body:])]
-    return attend_segments(query, before, layer.key_body.read(n_body), layer.value_body.read(n_body),
-                           mask[..., n_sink:n_sink + n_body], after, scaling, body_attention, num_splits=num_splits,
-                           dot_dtype=query.dtype, block_n=block_n)
+    total = n_sink + n_body + n_recent
+    mask = step_mask(attention_mask, range(total - lq, total), range(total), query.device)
+    return attend_segments(query, [(layer.sink_k, layer.sink_v)], layer.key_body.read(n_body),
+                           layer.value_body.read(n_body), [(layer.recent_k, layer.recent_v)], scaling, TRITON_BODY, mask,
+                           num_splits=num_splits, dot_dtype=query.dtype, block_n=block_n)
+
+
+# This kernel as a read-path backend (hf_kvint2.backends registers it through hf_kvint2.kernels.body_attention, which
+# imports this module only when called: Triton is optional). The layer step passes the model's dtype itself.
+TRITON_BODY = BodyBackend("triton", "cuda", lambda: True, body_attention)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.resources
 import math
 import warnings
@@ -342,43 +343,81 @@ STEP_LAYOUTS = {name: LAYOUTS[name].with_overrides(sink_tokens=sink, recent_toke
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
 @pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (5, 1), (2, 3)])  # 2, 3, 4 and 1 rows per LANES
-def test_numba_layer_step_matches_the_pipeline(layout, groups, query_len):
-    """The Numba whole-layer step (query rotated, windows attended and merged inside the kernel) == the shared
-    pipeline (attend_segments) with the dense reference body, every layout, GQA, several query positions, bool and
-    float masks over all tokens, a row that attends nothing, no mask; split-K over the body agrees too."""
+def test_numba_layer_step_matches_the_composition(layout, groups, query_len):
+    """The read path's one composition (attend_segments) with the Numba backend runs the step as the backend's one
+    whole-step call (query rotated, windows attended and merged inside the kernel), and that call == the
+    composition with the dense reference body: every layout, GQA, several query positions, bool and float masks
+    over all tokens, a row that attends nothing, no mask, the causal mask of a chunk; split-K over the body agrees
+    too. Steps it does not serve (a long chunk, a query with gradients) are composed."""
     torch.manual_seed(4)
     layer = OscarLayer(STEP_LAYOUTS[layout], 0)
     layer.fused_attention = True
     for n in (24, 16, query_len):
         kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
     step = kv[0].step
-    n_sink, n_body, total = step.sink_k.shape[-2], step.body_tokens, step.seq_len
-    assert n_body and step.tail_k.shape[-2]
-    kb, vb = layer.key_body.read(n_body), layer.value_body.read(n_body)
+    total = step.seq_len
+    assert step.body_tokens and step.tail_k.shape[-2]
+    kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
+    before, after = [(step.sink_k, step.sink_v)], [(step.tail_k, step.tail_v)]
     q = torch.randn(2, 2 * groups, query_len, 16)
     dead = torch.rand(2, 1, query_len, total) > 0.3
     dead[1, 0, 0] = False
-    for mask in (None, dead, torch.randn(1, 1, 1, total)):
-        add = read_path.mask_to_additive(mask)
+    numba = backends.BODY_BACKENDS["numba"]
+    fused_calls = []
 
-        def cols(a, z, add=add):
-            return None if add is None else add[..., a:z]
+    def layer_step(*args, **kwargs):
+        fused_calls.append(kwargs.get("split"))
+        return numba.layer_step(*args, **kwargs)
 
-        before = [(step.sink_k, step.sink_v, cols(0, n_sink))] if n_sink else []
-        want = read_path.attend_segments(q, before, kb, vb, cols(n_sink, n_sink + n_body),
-                                         [(step.tail_k, step.tail_v, cols(n_sink + n_body, total))], 0.3,
-                                         read_path.reference_body_partial)
-        assert cpu_kernels.serves_layer_step(q, kb)
+    spied = dataclasses.replace(numba, layer_step=layer_step)
+    causal = read_path.step_mask(None, range(total - query_len, total), range(total), q.device)
+    assert (causal is None) == (query_len == 1)
+    for mask in (None, dead, torch.randn(1, 1, 1, total), causal):
+        want = read_path.attend_segments(q, before, kb, vb, after, 0.3, read_path.REFERENCE_BODY, mask)
         for split in (None, 8):
-            got = cpu_kernels.layer_step_attention(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v),
-                                                   scaling=0.3, mask=mask, split=split)
+            got = read_path.attend_segments(q, before, kb, vb, after, 0.3, spied, mask, split=split)
+            assert fused_calls[-1] == split
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         if mask is dead:
             assert torch.equal(got[1, :, 0], torch.zeros_like(got[1, :, 0]))  # (0, -inf) merges to 0
-    assert not cpu_kernels.serves_layer_step(torch.randn(2, 4, cpu_kernels.SPLIT_MAX_ROWS, 16), kb)  # a long chunk
+    assert len(fused_calls) == 8
+    long_chunk = torch.randn(2, 4, cpu_kernels.SPLIT_MAX_ROWS, 16)
+    assert not numba.serves_layer_step(long_chunk, kb)
     with torch.enable_grad():
-        assert not cpu_kernels.serves_layer_step(q.clone().requires_grad_(), kb)
+        assert not numba.serves_layer_step(q.clone().requires_grad_(), kb)
+    composed = dataclasses.replace(spied, serves_layer_step=lambda query, key_body: False)  # the Numba body alone
+    got = read_path.attend_segments(q, before, kb, vb, after, 0.3, composed, dead)
+    assert len(fused_calls) == 8
+    torch.testing.assert_close(got, read_path.attend_segments(q, before, kb, vb, after, 0.3,
+                                                              read_path.REFERENCE_BODY, dead), atol=1e-5, rtol=1e-5)
 
+
+def test_step_mask_is_every_path_s_mask():
+    """read_path.step_mask: causal in positions without a model mask (None where nothing is masked: a decode step),
+    the model's columns at the keys' positions (a slice, or any order), slots that hold no position and keys outside
+    the window masked; a mask too short for the step is refused."""
+    nothing = read_path.step_mask(None, range(9, 10), range(10), "cpu")
+    assert nothing is None
+    chunk = read_path.step_mask(None, range(7, 10), range(10), "cpu")
+    allowed = torch.arange(10)[None, :] <= torch.arange(7, 10)[:, None]
+    assert chunk.dtype == torch.float32 and chunk.shape == (1, 1, 3, 10)
+    assert torch.equal(chunk[0, 0] == 0, allowed) and torch.isneginf(chunk[0, 0][~allowed]).all()
+    model = torch.rand(2, 1, 3, 12) > 0.5
+    sliced = read_path.step_mask(model, range(7, 10), range(10), "cpu")
+    assert torch.equal(sliced, read_path.mask_to_additive(model[..., :10]))  # the model's mask decides
+    keys = torch.tensor([4, 0, 11, 2])
+    valid = torch.tensor([True, True, False, True])
+    picked = read_path.step_mask(model, torch.arange(7, 10), keys, "cpu", valid=valid, window=6)
+    want = read_path.mask_to_additive(model)[..., keys].clone()
+    want[..., 2] = float("-inf")  # not a valid slot
+    want[..., 1] = float("-inf")  # position 0: outside the window (6) of positions 7, 8 and 9
+    want[..., 1:, 3] = float("-inf")  # position 2: outside that of 8 and 9
+    assert torch.equal(picked, want)
+    assert read_path.step_mask(None, range(9, 10), range(10), "cpu", causal=False) is None
+    with pytest.raises(ValueError, match="has 8 key columns; this step reads positions 0..9"):
+        read_path.step_mask(model[..., :8], range(9, 10), range(10), "cpu")
+    with pytest.raises(ValueError, match="per-head masks"):
+        read_path.step_mask(torch.ones(1, 2, 1, 10, dtype=torch.bool), range(9, 10), range(10), "cpu")
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")

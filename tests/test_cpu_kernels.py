@@ -225,9 +225,8 @@ def test_kernel_matches_the_reference(d):
                 qr, kml = q @ kb.codec.rotation, kb.codec.mean_logits(q, groups)
                 want_body = read_path.reference_body_partial(qr, kb, vb, scaling=scaling, key_mean_logits=kml,
                                                              mask=part(4, 4 + n))
-                want_step = read_path.attend_segments(q, [(*sink, part(0, 4))], kb, vb, part(4, 4 + n),
-                                                      [(*recent, part(4 + n, cols))], scaling,
-                                                      read_path.reference_body_partial)
+                want_step = read_path.attend_segments(q, [sink], kb, vb, [recent], scaling, read_path.REFERENCE_BODY,
+                                                      mask)
                 for split in (None, 256):
                     where = f"{name}, batch {batch}, {query_len} query rows, split {split}"
                     got_body = cpu_kernels.body_attention(qr, kb, vb, scaling=scaling, key_mean_logits=kml,
