@@ -104,7 +104,7 @@ def make_layer(kind: str, sink: int, recent: int, seed: int = 0, head_dim: int =
     import torch
 
     from hf_kvint2.layers import OscarLayer
-    from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
+    from hf_kvint2.settings import oscar_recipe, oscar_scaled_recipe
     from hf_kvint2.transforms import spectral_rotation
 
     if kind == "oscar":

@@ -81,7 +81,8 @@ def bench_layers(shard, args, collective: list[dict]) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from hf_kvint2.recipes import GroupLayout, oscar_scaled_recipe
+    from hf_kvint2.recipes import GroupLayout
+    from hf_kvint2.settings import oscar_scaled_recipe
 
     layouts = {  # name: (recipe, decode steps per collective of a layer)
         "oscar_scaled_default (per-channel keys, G_t=32)": (oscar_scaled_recipe(), 32),

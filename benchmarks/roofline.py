@@ -18,7 +18,7 @@ BF16 = 2
 
 
 def _recipes():
-    from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
+    from hf_kvint2.settings import oscar_recipe, oscar_scaled_recipe
 
     return {"OscarCache": oscar_recipe(), "OscarScaledCache": oscar_scaled_recipe()}
 

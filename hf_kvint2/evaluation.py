@@ -33,9 +33,9 @@ from .calibration import LayerChoice, calibration_from_choices, settings_from_ch
 from .layers import OscarLayer
 from .model_config import layer_types, model_shape
 from .quant import to_model_dtype
-from .recipes import GroupLayout, LayerRecipe, oscar_recipe
+from .recipes import LayerRecipe
+from .settings import hadamard_only_recipe, kivi2_recipe, naive_int2_recipe
 from .storage import TokenBuffer
-from .transforms import hadamard_matrix
 
 
 def cache_kwarg(model, cache) -> dict:
@@ -89,28 +89,6 @@ class CacheMethod:
 def engine_cache(recipe: LayerRecipe, config) -> OscarCacheBase:
     """A cache of this library's engine with the same recipe in every layer (used for the baselines)."""
     return OscarCacheBase(lambda idx: recipe, config)
-
-
-def kivi2_recipe(head_dim: int) -> LayerRecipe:
-    """KIVI-2 on this engine: no rotation, keys per channel over 32-token groups, values per token over 32
-    channels, a 128-token full-precision residual flushed in 32-token blocks, no sink, no clipping."""
-    eye = torch.eye(head_dim)
-    return LayerRecipe(key=GroupLayout("channel", 32), value=GroupLayout("token", 32), sink_tokens=0,
-                       recent_tokens=128, key_rotation=eye, value_rotation=eye)
-
-
-def hadamard_only_recipe(head_dim: int) -> LayerRecipe:
-    """Hadamard-only INT2 (QuaRot-style) whatever the keys look like: the normalised Hadamard on keys and values
-    given explicitly, so that the uncalibrated cache's key-basis choice (hf_kvint2.key_basis: the model basis with
-    per-channel groups for very uneven keys, e.g. Gemma 3's full-attention layers) never applies; per-token groups,
-    clips 0.96/0.92, OSCAR's windows."""
-    return oscar_recipe(key_rotation=hadamard_matrix(head_dim), value_rotation=hadamard_matrix(head_dim))
-
-
-def naive_int2_recipe(head_dim: int) -> LayerRecipe:
-    """Per-token INT2 without rotation or clipping, with OSCAR's windows (sink 64, recent 256)."""
-    eye = torch.eye(head_dim)
-    return oscar_recipe(key_rotation=eye, value_rotation=eye, k_clip=None, v_clip=None)
 
 
 def with_key_token_scaling(cache: OscarCacheBase) -> OscarCacheBase:

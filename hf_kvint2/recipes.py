@@ -1,4 +1,6 @@
-"""OSCAR and OScaR as settings of one engine: how a layer transforms, groups and windows its K/V."""
+"""What one cache layer does (:class:`LayerRecipe`) and how it groups K or V (:class:`GroupLayout`): every method is
+a recipe of the one engine. The recipes of OSCAR, OScaR and the baselines, with their defaults, are built from the
+typed settings in :mod:`hf_kvint2.settings`."""
 
 from __future__ import annotations
 
@@ -119,66 +121,8 @@ class LayerRecipe:
         return replace(self, **kw)
 
 
-def oscar_scaled_recipe(
-    *,
-    sink_tokens: int = 64,
-    recent_tokens: int = 128,
-    group_size: int = 32,
-    key_group_size: int | None = None,
-    value_group_size: int | None = None,
-    hadamard_block: int | None = None,
-    token_scaling: bool = True,
-    scale_dtype: torch.dtype = torch.float16,
-) -> LayerRecipe:
-    """OScaR: block Hadamard, keys per channel over token groups with omni-token scaling, values per
-    token over channel groups, a full-precision residual flushed in whole blocks. Data-free."""
-    return LayerRecipe(
-        key=GroupLayout("channel", key_group_size or group_size, None, token_scaling),
-        value=GroupLayout("token", value_group_size or group_size, None, False),
-        sink_tokens=sink_tokens,
-        recent_tokens=recent_tokens,
-        scale_dtype=scale_dtype,
-        hadamard_block=hadamard_block,
-        method="oscar_scaled",
-    )
-
-
 def default_demotion_tokens(recent_tokens: int) -> int:
     """OSCAR's tokens leave a window of ``recent_tokens`` this many at a time by default: 16 for the default
     256-token window, never more than a sixteenth of the window (which then holds at most ~6% more tokens), at
     least 1 (every token, as soon as it leaves: small windows)."""
     return max(1, min(16, recent_tokens // 16))
-
-
-def oscar_recipe(
-    *,
-    key_rotation: torch.Tensor | None = None,
-    value_rotation: torch.Tensor | None = None,
-    k_clip: float | None = 0.96,
-    v_clip: float | None = 0.92,
-    sink_tokens: int = 64,
-    recent_tokens: int = 256,
-    group_size: int = 128,
-    key_mean: torch.Tensor | None = None,
-    value_mean: torch.Tensor | None = None,
-    key_layout: GroupLayout | None = None,
-    value_layout: GroupLayout | None = None,
-    scale_dtype: torch.dtype = torch.float16,
-    demotion_tokens: int | None = None,
-) -> LayerRecipe:
-    """OSCAR: rotation (calibrated ``U H P`` or Hadamard), row clipping, per-token INT2 over
-    ``min(group_size, d)`` channels, full-precision sink and recent windows; tokens leave the recent window
-    ``demotion_tokens`` at a time (default :func:`default_demotion_tokens`)."""
-    return LayerRecipe(
-        key=key_layout or GroupLayout("token", group_size, k_clip, False),
-        value=value_layout or GroupLayout("token", group_size, v_clip, False),
-        sink_tokens=sink_tokens,
-        recent_tokens=recent_tokens,
-        scale_dtype=scale_dtype,
-        key_rotation=key_rotation,
-        value_rotation=value_rotation,
-        key_mean=key_mean,
-        value_mean=value_mean,
-        method="oscar",
-        demotion_tokens=default_demotion_tokens(recent_tokens) if demotion_tokens is None else demotion_tokens,
-    )

@@ -5,6 +5,11 @@ dict form the Hub format stores (``settings`` in an artifact's ``config.json``).
 * :class:`OscarSettings` - ``OscarCache``: windows, group size, clip ratios (one or one per layer).
 * :class:`OscarCalibration` - what ``OscarCache.calibrate`` fits per layer (rotations, means, layouts, ...).
 
+Each default is written once, in these dataclasses: the layer recipes are built from them (:meth:`OscarSettings.recipe`,
+:meth:`OscarScaledSettings.recipe`, :func:`oscar_recipe`, :func:`oscar_scaled_recipe`), the calibration reads its
+windows and reference clips from :data:`OSCAR_DEFAULTS`, and the baselines the quality benchmark compares
+(:func:`kivi2_recipe`, :func:`hadamard_only_recipe`, :func:`naive_int2_recipe`) are recipes of the same layer.
+
 Validation lives in :func:`validate` (called by every constructor): each field declares its kind in
 ``field(metadata={"kind": ...})`` and a value of another type is refused with an error that names the setting and
 the expected type (a string ``"false"`` for a bool, ``True`` for a group size). :meth:`to_dict` gives JSON
@@ -22,7 +27,8 @@ from typing import Any
 import torch
 
 from .quant import SCALE_DTYPES
-from .recipes import GroupLayout, LayerRecipe, is_power_of_two_int, oscar_recipe, oscar_scaled_recipe
+from .recipes import GroupLayout, LayerRecipe, default_demotion_tokens, is_power_of_two_int
+from .transforms import hadamard_matrix
 
 SETTINGS_VERSION = 1  # the artifact format_version whose settings dict to_dict writes
 SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -152,9 +158,6 @@ class _Settings:
 
 
 # ---------------------------------------------------------------------------------------------- the caches
-# Settings of the cache's sliding-window layers, not of the quantized layers' recipe.
-CACHE_LEVEL_SETTINGS = ("sliding_window_dtype",)
-
 @dataclass(frozen=True)
 class OscarScaledSettings(_Settings):
     """OScaR: block Hadamard rotation, keys per channel over token groups with omni-token scaling (both
@@ -176,8 +179,13 @@ class OscarScaledSettings(_Settings):
     sliding_window_dtype: torch.dtype | None = field(default=None, metadata={"kind": "window_dtype"})
 
     def recipe(self) -> LayerRecipe:
-        return oscar_scaled_recipe(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                      if f.name not in CACHE_LEVEL_SETTINGS})
+        """The layer recipe: block Hadamard, keys per channel over token groups (with omni-token scaling), values
+        per token over channel groups, a full-precision sink and residual flushed in whole blocks. Data-free."""
+        return LayerRecipe(
+            key=GroupLayout("channel", self.key_group_size or self.group_size, None, self.token_scaling),
+            value=GroupLayout("token", self.value_group_size or self.group_size, None, False),
+            sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens, scale_dtype=self.scale_dtype,
+            hadamard_block=self.hadamard_block, method="oscar_scaled")
 
 
 @dataclass(frozen=True)
@@ -206,6 +214,21 @@ class OscarSettings(_Settings):
             if isinstance(value, Sequence) and not isinstance(value, (str, bytes, tuple)):
                 object.__setattr__(self, name, tuple(value))
         super().__post_init__()
+
+    def recipe(self, layer_idx: int = 0, *, key_rotation: torch.Tensor | None = None,
+               value_rotation: torch.Tensor | None = None, key_mean: torch.Tensor | None = None,
+               value_mean: torch.Tensor | None = None, key_layout: GroupLayout | None = None,
+               value_layout: GroupLayout | None = None) -> LayerRecipe:
+        """The recipe of layer ``layer_idx``: the rotations (None: Hadamard) and means given, row clipping (this
+        layer's clips), per-token INT2 over ``min(group_size, d)`` channels unless a calibrated layout is given,
+        full-precision sink and recent windows; tokens leave the recent window ``demotion_tokens`` at a time."""
+        demotion = default_demotion_tokens(self.recent_tokens) if self.demotion_tokens is None else self.demotion_tokens
+        return LayerRecipe(
+            key=key_layout or GroupLayout("token", self.group_size, self.clip_for("k_clip", layer_idx), False),
+            value=value_layout or GroupLayout("token", self.group_size, self.clip_for("v_clip", layer_idx), False),
+            sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens, scale_dtype=self.scale_dtype,
+            key_rotation=key_rotation, value_rotation=value_rotation, key_mean=key_mean, value_mean=value_mean,
+            method="oscar", demotion_tokens=demotion)
 
     def clip_for(self, name: str, layer_idx: int) -> float | None:
         value = getattr(self, name)
@@ -296,15 +319,54 @@ class OscarCalibration:
 def oscar_layer_recipe(settings: OscarSettings, calibration: OscarCalibration, layer_idx: int) -> LayerRecipe:
     """The recipe of one layer of an ``OscarCache``."""
     layouts = calibration.entry("layer_layouts", layer_idx) or (None, None)
-    return oscar_recipe(
-        key_rotation=calibration.entry("k_rotations", layer_idx),
-        value_rotation=calibration.entry("v_rotations", layer_idx),
-        k_clip=settings.clip_for("k_clip", layer_idx), v_clip=settings.clip_for("v_clip", layer_idx),
-        sink_tokens=settings.sink_tokens, recent_tokens=settings.recent_tokens, group_size=settings.group_size,
-        key_mean=calibration.entry("key_means", layer_idx), value_mean=calibration.entry("value_means", layer_idx),
-        key_layout=layouts[0], value_layout=layouts[1], scale_dtype=settings.scale_dtype,
-        demotion_tokens=settings.demotion_tokens)
+    return settings.recipe(
+        layer_idx, key_rotation=calibration.entry("k_rotations", layer_idx),
+        value_rotation=calibration.entry("v_rotations", layer_idx), key_mean=calibration.entry("key_means", layer_idx),
+        value_mean=calibration.entry("value_means", layer_idx), key_layout=layouts[0], value_layout=layouts[1])
 
 
-__all__ = ["SETTINGS_VERSION", "OscarCalibration", "OscarScaledSettings", "OscarSettings", "SettingsError",
-           "oscar_layer_recipe", "validate"]
+OSCAR_DEFAULTS = OscarSettings()  # OSCAR's defaults: the calibration's windows, group size and reference clips
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+def oscar_recipe(*, key_rotation: torch.Tensor | None = None, value_rotation: torch.Tensor | None = None,
+                 key_mean: torch.Tensor | None = None, value_mean: torch.Tensor | None = None,
+                 key_layout: GroupLayout | None = None, value_layout: GroupLayout | None = None,
+                 **settings) -> LayerRecipe:
+    """OSCAR's layer recipe: :class:`OscarSettings` fields as keywords (its defaults for the rest), with these
+    rotations (None: Hadamard), means and layouts (:meth:`OscarSettings.recipe`)."""
+    return OscarSettings(**settings).recipe(key_rotation=key_rotation, value_rotation=value_rotation,
+                                            key_mean=key_mean, value_mean=value_mean, key_layout=key_layout,
+                                            value_layout=value_layout)
+
+
+def oscar_scaled_recipe(**settings) -> LayerRecipe:
+    """OScaR's layer recipe: :class:`OscarScaledSettings` fields as keywords (its defaults for the rest)."""
+    return OscarScaledSettings(**settings).recipe()
+
+
+def kivi2_recipe(head_dim: int) -> LayerRecipe:
+    """KIVI-2 on this engine: no rotation, keys per channel over 32-token groups, values per token over 32
+    channels, a 128-token full-precision residual flushed in 32-token blocks, no sink, no clipping."""
+    eye = torch.eye(head_dim)
+    return LayerRecipe(key=GroupLayout("channel", 32), value=GroupLayout("token", 32), sink_tokens=0,
+                       recent_tokens=128, key_rotation=eye, value_rotation=eye)
+
+
+def hadamard_only_recipe(head_dim: int) -> LayerRecipe:
+    """Hadamard-only INT2 (QuaRot-style) whatever the keys look like: OSCAR's defaults with the normalised Hadamard
+    on keys and values given explicitly, so that the uncalibrated cache's key-basis choice (hf_kvint2.key_basis:
+    the model basis with per-channel groups for very uneven keys, e.g. Gemma 3's full-attention layers) never
+    applies."""
+    return oscar_recipe(key_rotation=hadamard_matrix(head_dim), value_rotation=hadamard_matrix(head_dim))
+
+
+def naive_int2_recipe(head_dim: int) -> LayerRecipe:
+    """Per-token INT2 without rotation or clipping, with OSCAR's windows and group size."""
+    eye = torch.eye(head_dim)
+    return oscar_recipe(key_rotation=eye, value_rotation=eye, k_clip=None, v_clip=None)
+
+
+__all__ = ["OSCAR_DEFAULTS", "SETTINGS_VERSION", "OscarCalibration", "OscarScaledSettings", "OscarSettings",
+           "SettingsError", "hadamard_only_recipe", "kivi2_recipe", "naive_int2_recipe", "oscar_layer_recipe",
+           "oscar_recipe", "oscar_scaled_recipe", "validate"]

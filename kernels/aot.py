@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-from hf_kvint2.recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
+from hf_kvint2.recipes import GroupLayout
+from hf_kvint2.settings import oscar_recipe, oscar_scaled_recipe
 from hf_kvint2.stream import QuantizedStream, StreamCodec
 
 from . import decode_attention, quantize_pack

@@ -16,7 +16,8 @@ import hf_kvint2
 from hf_kvint2 import OscarCache, OscarScaledCache, attention, backends, cpu_kernels, read_path, steps
 from hf_kvint2.cpu_kernels import calls as cpu_calls
 from hf_kvint2.layers import OscarLayer
-from hf_kvint2.recipes import GroupLayout, oscar_recipe, oscar_scaled_recipe
+from hf_kvint2.recipes import GroupLayout
+from hf_kvint2.settings import oscar_recipe, oscar_scaled_recipe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -244,7 +244,7 @@ import numpy as np
 import torch
 from hf_kvint2 import cpu_kernels
 from hf_kvint2.layers import OscarLayer
-from hf_kvint2.recipes import oscar_recipe, oscar_scaled_recipe
+from hf_kvint2.settings import oscar_recipe, oscar_scaled_recipe
 
 def run_kernels(path):
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ import hf_kvint2  # noqa: F401  (registers the "oscar" attention)
 from hf_kvint2 import OscarCache, OscarScaledCache
 from hf_kvint2.hub import ArtifactError, safety
 from hf_kvint2.layers import OscarLayer
-from hf_kvint2.recipes import oscar_recipe
+from hf_kvint2.settings import oscar_recipe
 from hf_kvint2.static_cache import StaticOscarCache
 from hf_kvint2.transforms import check_orthogonal
 

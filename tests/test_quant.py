@@ -10,7 +10,7 @@ from hypothesis.extra.numpy import arrays
 from hf_kvint2 import OscarCache, OscarScaledCache, cpu_kernels
 from hf_kvint2.layers import OscarLayer
 from hf_kvint2.quant import dequantize_int2, pack_int2, quantize_int2, unpack_int2
-from hf_kvint2.recipes import oscar_recipe
+from hf_kvint2.settings import oscar_recipe
 from hf_kvint2.transforms import clip_rows
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]

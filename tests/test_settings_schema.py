@@ -14,7 +14,7 @@ import torch
 
 from hf_kvint2 import GroupLayout, OscarCache, OscarScaledCache
 from hf_kvint2.hub import ArtifactError
-from hf_kvint2.recipes import oscar_scaled_recipe
+from hf_kvint2.settings import oscar_scaled_recipe
 
 
 def _saved(tmp_path, cache):

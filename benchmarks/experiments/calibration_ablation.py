@@ -73,8 +73,8 @@ def main():
         engine_cache,
         eval_windows,
         load_text,
-        naive_int2_recipe,
     )
+    from hf_kvint2.settings import naive_int2_recipe
 
     settings = {"sink_tokens": 64, "recent_tokens": 256}
     if args.quick:

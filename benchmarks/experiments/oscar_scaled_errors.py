@@ -49,7 +49,7 @@ def variants(config, head_dim):
     import torch
 
     from hf_kvint2 import OscarScaledCache
-    from hf_kvint2.evaluation import kivi2_recipe
+    from hf_kvint2.settings import kivi2_recipe
 
     scaled = OscarScaledCache(config=config)
     eye = torch.eye(head_dim)

@@ -42,8 +42,8 @@ def variant_factory(name: str, head_dim: int):
 
     from hf_kvint2 import OscarScaledCache
     from hf_kvint2.cache import OscarCacheBase
-    from hf_kvint2.evaluation import engine_cache, kivi2_recipe
-    from hf_kvint2.recipes import oscar_scaled_recipe
+    from hf_kvint2.evaluation import engine_cache
+    from hf_kvint2.settings import kivi2_recipe, oscar_scaled_recipe
 
     eye = torch.eye(head_dim)
     scaled = oscar_scaled_recipe()
