@@ -438,10 +438,11 @@ def main(argv=None) -> dict:
         t0 = time.time()
         partial_path = Path(args.out + ".partial.json")
 
-        def checkpoint(position, partial):
-            """A long run that is stopped keeps what it measured: <out>.partial.json, positions < position (per row:
-            ``scored_up_to``; with --update the rows of concurrent runs into the same --out are kept)."""
-            own = [dict(rows[k], **r.summary(), scored_up_to=position) for k, r in partial.items()]
+        def checkpoint(partial):
+            """A long run that is stopped keeps what it measured: <out>.partial.json, each method's positions scored
+            so far (per row: ``scored_up_to``; with --update the rows of concurrent runs into the same --out are
+            kept)."""
+            own = [dict(rows[k], **r.summary(), scored_up_to=position) for k, (position, r) in partial.items()]
             write_partial(partial_path, model_name, result, own, keep_others=args.update)
 
         ppl = chunked_perplexity(model, windows, methods, args.prefill, args.chunk, score_every=args.score_every,

@@ -1,5 +1,6 @@
-"""The quality harness: protocol correctness (chunked == plain forward), stacking and shared prefill exactness,
-bits accounting, passkey prompts, and the whole benchmark pipeline on a tiny random model."""
+"""The quality harness: protocol correctness (chunked == plain forward), each method read through its own cache and
+the "oscar" attention as a user runs it, shared prefill exactness, bits accounting, passkey prompts, and the whole
+benchmark pipeline on a tiny random model."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2 import OscarCache, OscarScaledCache, steps
 from hf_kvint2.evaluation import (
     ByteTokenizer,
     CacheMethod,
@@ -20,7 +21,6 @@ from hf_kvint2.evaluation import (
     engine_cache,
     eval_windows,
     greedy_agreement,
-    kivi2_recipe,
     load_text,
     passkey_prompts,
     plain_perplexity,
@@ -28,8 +28,19 @@ from hf_kvint2.evaluation import (
     with_key_token_scaling,
 )
 from hf_kvint2.layers import OscarLayer
+from hf_kvint2.perplexity import full_precision_prefill, method_caches, token_nll
+from hf_kvint2.settings import hadamard_only_recipe, kivi2_recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_body():
+    """The caches' bodies read by the PyTorch backend: what is tested here is the protocol, on tiny models whose
+    layouts the Numba kernel would first compile (the kernel is tested against the reference in test_attention)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_KVINT2_CPU_KERNEL", "torch")
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -61,74 +72,79 @@ def test_chunked_full_precision_equals_plain_forward(tiny, windows):
         assert abs(a / b - 1) < 1e-3
 
 
-def test_stacking_and_batching_do_not_change_results(tiny, windows):
+def test_methods_measure_alone_what_they_measure_together(tiny, windows):
+    """Each method runs through its own cache(s): one cache for all windows or one per window (batched=False) give
+    the same perplexity, and a method measured beside others gives what it gives alone."""
     scaled = _method("scaled", lambda cfg: OscarScaledCache(config=cfg))
     scaled_rows = _method("scaled_rows", lambda cfg: OscarScaledCache(config=cfg), batched=False)
     hadamard = _method("hadamard", lambda cfg: OscarCache(config=cfg))
     together = chunked_perplexity(tiny, windows, [FP, scaled, scaled_rows, hadamard], 128, 32, progress=False)
     alone = chunked_perplexity(tiny, windows, [hadamard], 128, 32, progress=False)["hadamard"]
     assert abs(together["scaled"].perplexity / together["scaled_rows"].perplexity - 1) < 1e-5
-    assert abs(together["hadamard"].perplexity / alone.perplexity - 1) < 1e-5
+    assert together["hadamard"].nll_sum == alone.nll_sum
     assert together["scaled"].perplexity != together["fp"].perplexity  # quantization did happen
     assert together["scaled"].bits_per_element < 16  # 448 tokens, 64 + 128 of them in the fp32 sink and residual
 
 
-def test_stacked_body_dequantized_once_equals_the_portable_view(tiny, windows, monkeypatch):
-    """The stacked cache dequantizes each body token once (_DequantizedBody) instead of the whole body at every
-    chunk; what the attention gets is the layer's own portable view (up to the de-rotation's rounding), for
-    per-token and per-channel layouts, token scaling, calibrated means and a key basis settled at the first
-    demotion, and the perplexities are those of the plain portable path."""
-    from hf_kvint2 import evaluation
-    from hf_kvint2.evaluation import StackedCache, hadamard_only_recipe
-
+def test_the_harness_reads_each_cache_as_a_user_runs_it(tiny, windows, monkeypatch):
+    """What chunked_perplexity measures for a cache is what a user gets: a model with the "oscar" attention, a real
+    prefill forward and then the chunks through that cache (per-token and per-channel layouts, token scaling,
+    calibrated means, a key basis settled at the first demotion, KIVI-2 as a recipe of the same layer). Every
+    chunk after the prefill reads the INT2 body through the fused read path (LayerStep.attend), never through the
+    portable view; the model's own attention implementation is restored afterwards."""
     d = 32
-    means = [torch.randn(2, d) for _ in range(2)]
-    methods = [FP, _method("scaled", lambda cfg: OscarScaledCache(config=cfg)),
+    means = [torch.randn(2, d, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    methods = [_method("scaled", lambda cfg: OscarScaledCache(config=cfg)),
                _method("hadamard", lambda cfg: OscarCache(config=cfg)),  # uncalibrated: the key basis settles
                _method("kivi2", lambda cfg: engine_cache(kivi2_recipe(d), cfg)),
                _method("centred", lambda cfg: engine_cache(hadamard_only_recipe(d).with_overrides(
                    key_mean=means[0], value_mean=means[1]), cfg))]
-    # the K/V the attention reads, chunk by chunk: stacked (dequantized once) vs each cache's own update()
-    gen = torch.Generator().manual_seed(0)
-    stacked = StackedCache([(m.make_cache(tiny.config), slice(2 * i, 2 * i + 2)) for i, m in enumerate(methods)], 2)
-    alone = [m.make_cache(tiny.config) for m in methods]
-    uneven = torch.ones(d)
-    uneven[:3] = 30.0  # a few wide key channels: the uncalibrated cache switches to the model basis
-    for n in [400, 32, 64, 1, 96, 128]:
-        k, v = (torch.randn(2 * len(methods), 2, n, d, generator=gen) for _ in range(2))
-        k = k * uneven
-        for idx in range(2):
-            got_k, got_v = stacked.update(k, v, idx)
-            for i, cache in enumerate(alone):
-                ref_k, ref_v = cache.update(k[2 * i:2 * i + 2], v[2 * i:2 * i + 2], idx)
-                torch.testing.assert_close(got_k[2 * i:2 * i + 2], ref_k, rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(got_v[2 * i:2 * i + 2], ref_v, rtol=1e-6, atol=1e-6)
-    assert all(layer.body_len > 0 for c, _ in stacked.parts[1:] for layer in c.layers)
-    assert stacked.parts[2][0].layers[0].recipe.key.axis == "channel"  # the key basis settled (a new stream)
-    fast = chunked_perplexity(tiny, windows, methods, 128, 32, progress=False)
-    monkeypatch.setattr(evaluation._StackedLayer, "_update_part",
-                        lambda self, cache, body, k, v, args, kwargs: cache.update(k, v, self.layer_idx, *args,
-                                                                                   **kwargs))
-    plain = chunked_perplexity(tiny, windows, methods, 128, 32, progress=False)
-    for m in methods:
-        assert fast[m.key].nll_sum == pytest.approx(plain[m.key].nll_sum, rel=1e-7)
-        assert fast[m.key].bits_per_element == plain[m.key].bits_per_element
+    attends, views = [], []
+    monkeypatch.setattr(steps.LayerStep, "attend", lambda self, *a, _f=steps.LayerStep.attend: attends.append(1)
+                        or _f(self, *a))
+    monkeypatch.setattr(steps.LayerStep, "_view", lambda self, _f=steps.LayerStep._view: views.append(
+        self.body_tokens) or _f(self))
+    prefill, chunk = 128, 32
+    got = chunked_perplexity(tiny, windows, methods, prefill, chunk, progress=False)
+    assert tiny.config._attn_implementation == "sdpa"
+    assert attends and not any(views)  # no portable view of a layer with an INT2 body
+    by_user = []
+    tiny.set_attn_implementation("oscar")
+    try:
+        with torch.no_grad():
+            for m in methods:
+                cache = m.make_cache(tiny.config)
+                logits = [tiny(windows[:, :prefill], past_key_values=cache, use_cache=True).logits[:, -1:]]
+                for start in range(prefill, windows.shape[1], chunk):
+                    logits.append(tiny(windows[:, start:start + chunk], past_key_values=cache, use_cache=True).logits)
+                nll = token_nll(torch.cat(logits, 1)[:, :-1], windows[:, prefill:])
+                by_user.append(nll.sum(-1).tolist())
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    for m, nll in zip(methods, by_user):
+        assert got[m.key].nll_sum == pytest.approx(nll, rel=1e-6), m.key
 
 
 def test_shared_prefill_replay_equals_a_real_prefill(tiny, windows):
     """The harness replays one full-precision prefill into each cache; a prefill forward through the cache itself
-    must give the same cache contents and the same next-chunk logits."""
-    ids = windows[:1, :320]
-    with torch.no_grad():
-        real = OscarCache(config=tiny.config)
-        tiny(ids[:, :256], past_key_values=real, use_cache=True)
-        fp = DynamicCache(config=tiny.config)
-        tiny(ids[:, :256], past_key_values=fp, use_cache=True)
-        replay = OscarCache(config=tiny.config)
-        for idx, layer in enumerate(fp.layers):
-            replay.update(layer.keys, layer.values, idx)
-        a = tiny(ids[:, 256:], past_key_values=real, use_cache=True).logits
-        b = tiny(ids[:, 256:], past_key_values=replay, use_cache=True).logits
+    must give the same cache contents and the same next-chunk logits, read with the "oscar" attention."""
+    ids = windows[:1]
+    method = _method("oscar", lambda cfg: OscarCache(config=cfg))
+    tiny.set_attn_implementation("oscar")
+    try:
+        with torch.no_grad():
+            real = method.make_cache(tiny.config)
+            tiny(ids[:, :400], past_key_values=real, use_cache=True)
+            kv, _ = full_precision_prefill(tiny, ids[:, :400])
+            [(replay, _)] = method_caches(method, tiny.config, 1, kv)
+            for a, b in zip(real.layers, replay.layers):
+                assert a.body_len == b.body_len > 0
+                assert torch.equal(a.key_body.read(a.body_len).codes, b.key_body.read(b.body_len).codes)
+                assert torch.equal(a.recent_k, b.recent_k)
+            a = tiny(ids[:, 400:], past_key_values=real, use_cache=True).logits
+            b = tiny(ids[:, 400:], past_key_values=replay, use_cache=True).logits
+    finally:
+        tiny.set_attn_implementation("sdpa")
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -234,10 +250,10 @@ def test_smollm2_chunked_equals_plain_forward():
     assert abs(chunked.perplexity / plain.perplexity - 1) < 1e-3
 
 
-def test_hybrid_model_stacks_sliding_layers_and_counts_quantized_layer_bits(windows):
-    """Gemma 3-style stack (sliding layers window 64): the stacked caches report each layer's kind, so the masks
-    fit (chunked == plain forward with sliding layers past their window), and bits/element covers the
-    full-attention layers (the sliding windows are the same full-precision window in every method)."""
+def test_hybrid_model_reads_sliding_layers_and_counts_quantized_layer_bits(windows):
+    """Gemma 3-style stack (sliding layers window 64): the masks fit each layer's kind (chunked == plain forward
+    with sliding layers past their window), and bits/element covers the full-attention layers (the sliding windows
+    are the same full-precision window in every method)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
@@ -265,17 +281,15 @@ def test_hybrid_model_stacks_sliding_layers_and_counts_quantized_layer_bits(wind
     assert sampled.nll_sum == pytest.approx(ref.tolist(), rel=1e-4)
     assert math.isfinite(got["oscar_scaled"].perplexity)
     # a chunked full-precision prefill (long prompts) restores the sliding windows with the tokens they have seen
-    from hf_kvint2.evaluation import full_precision_prefill, stacked_caches
-
     prompt = windows[:, :300]
     kv, last = full_precision_prefill(model, prompt, batch_size=1, chunk=64)
     assert len(kv[0]) == 3 and kv[0][2] == 300 and len(kv[1]) == 2  # sliding: (K, V, seen); full: (K, V)
-    stacked = stacked_caches(methods, config, 2, kv)
+    [(fp_cache, _)] = method_caches(methods[0], config, 2, kv)
     with torch.no_grad():
         ref = model(windows[:, :301]).logits[:, -1]
-        got = model(windows[:, 300:301].repeat(2, 1), past_key_values=stacked).logits[:, -1]
+        got = model(windows[:, 300:301], past_key_values=fp_cache).logits[:, -1]
         assert torch.allclose(last, model(prompt).logits[:, -1], atol=1e-4)
-    assert torch.allclose(got[:2], ref, atol=1e-4)  # the full-precision rows
+    assert torch.allclose(got, ref, atol=1e-4)
     fp16 = bits_at_length(methods[0], config, 4096, dtype=torch.float16)
     assert fp16 == 16.0
     assert 2.0 < bits_at_length(methods[1], config, 4096, dtype=torch.float16) < 4.0

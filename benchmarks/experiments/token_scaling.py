@@ -4,8 +4,8 @@ Hadamard, against KIVI-2 with and without it (why OScaR trailed KIVI-2 on Gemma 
     python benchmarks/experiments/token_scaling.py --model gemma3 --windows 4
     python benchmarks/experiments/token_scaling.py --model smollm2 --windows 8 --variants fp,oscar_scaled,oscar_scaled_no_ts,kivi2_sink64,kivi2_sink64_ts
 
-Same protocol as benchmarks/quality.py (Emma, windows of 2048 tokens, prefill 512, chunks of 32, SDPA, fp32); all
-variants side by side in one batch (hf_kvint2.evaluation.chunked_perplexity). Variants:
+Same protocol as benchmarks/quality.py (Emma, windows of 2048 tokens, prefill 512, chunks of 32, fp32); all
+variants one after the other, each through its own cache (hf_kvint2.evaluation.chunked_perplexity). Variants:
 
 * ``oscar_scaled``: ``OscarScaledCache()`` (keys that settle in the model's basis drop the token norm,
   hf_kvint2.key_basis)
