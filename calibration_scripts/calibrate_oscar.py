@@ -26,6 +26,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 
 def parse_args(argv=None):
+    # Options left out take OscarCache.calibrate's defaults (hf_kvint2.calibration; OSCAR's windows and group size
+    # from hf_kvint2.settings.OscarSettings): the script and the Python call give the same artifact.
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (bundled, default), 'gemma3' (bundled, [gemma3] extra), a Hub id or a local path")
@@ -33,23 +35,23 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=_DTYPES, help="model dtype (default float32)")
     p.add_argument("--text", action="append", required=False, metavar="FILE",
                    help="calibration text file (UTF-8); repeat for several")
-    p.add_argument("--num-tokens", type=int, default=30000,
+    p.add_argument("--num-tokens", type=int, default=None,
                    help="tokens of text read in total (default 30000). The last --fit-windows x --window of "
                         "them are held back to choose layouts and fit clips; the rest feed the statistics in two "
                         "passes over the model, so the progress bar counts 2 x statistics + held-back tokens (6144 "
                         "for --num-tokens 4096 with --window 2048)")
-    p.add_argument("--window", type=int, default=2048, help="tokens per forward window (default 2048)")
+    p.add_argument("--window", type=int, default=None, help="tokens per forward window (default 2048)")
     p.add_argument("--fit-windows", type=int, default=None,
                    help="windows at the end of --num-tokens held back to choose layouts, group sizes and clips "
                         "(default 1); more measure the choices on more text and leave fewer for the statistics")
     p.add_argument("--no-fit-clip", action="store_true",
                    help="keep the reference clip ratios 0.96 (keys) / 0.92 (values) instead of fitting them")
-    p.add_argument("--layouts", default="spectral,hadamard,channel",
-                   help="comma-separated per-layer candidates among spectral,hadamard,channel")
+    p.add_argument("--layouts", default=None,
+                   help="comma-separated per-layer candidates among spectral,hadamard,channel (default: all three)")
     p.add_argument("--no-centering", action="store_true", help="do not consider centred candidates")
-    p.add_argument("--sink-tokens", type=int, default=64,
+    p.add_argument("--sink-tokens", type=int, default=None,
                    help="full-precision tokens at the start that the artifact's cache keeps (default 64)")
-    p.add_argument("--recent-tokens", type=int, default=256,
+    p.add_argument("--recent-tokens", type=int, default=None,
                    help="full-precision recent window of the artifact's cache (default 256)")
     p.add_argument("--bits-budget", default=None, metavar="BITS",
                    help="mean bits/element of the quantized body over the calibrated K/V streams (2-bit codes + "
@@ -59,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--group-sizes", default=None, metavar="SIZES",
                    help="comma-separated candidate group sizes of the allocation (default 32,64,128,256; per-token "
                         "groups are capped at head_dim)")
-    p.add_argument("--group-size", type=int, default=128,
+    p.add_argument("--group-size", type=int, default=None,
                    help="group size without allocation and of layers not calibrated (default 128)")
     p.add_argument("--from-statistics", metavar="FILE", default=None,
                    help="fit from the statistics of an earlier --save-statistics run instead of running the model "
@@ -107,35 +109,43 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
 
-def _allocation(args) -> dict:
-    from hf_kvint2.calibration import DEFAULT_GROUP_SIZES
-
-    budget = args.bits_budget
-    if budget is None or budget.strip().lower() == "auto":
-        budget = "auto"
-    elif budget.strip().lower() == "none":
-        budget = None
-    else:
-        try:
-            budget = float(budget)
-        except ValueError:
-            sys.exit(f"--bits-budget {args.bits_budget!r}: give a number of bits/element such as 2.35, or 'none'.")
-    sizes = DEFAULT_GROUP_SIZES
+def _given(args) -> dict:
+    """The fitting options given on the command line, as ``OscarCache.calibrate`` keywords (the rest: its
+    defaults)."""
+    out = {}
+    if args.no_fit_clip:
+        out["fit_clip"] = False
+    if args.no_centering:
+        out["centering"] = (False,)
+    if args.layouts is not None:
+        out["layouts"] = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
+    for name in ("sink_tokens", "recent_tokens", "group_size"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    if args.bits_budget is not None:
+        budget = args.bits_budget.strip().lower()
+        if budget == "none":
+            out["bits_budget"] = None
+        elif budget != "auto":
+            try:
+                out["bits_budget"] = float(budget)
+            except ValueError:
+                sys.exit(f"--bits-budget {args.bits_budget!r}: give a number of bits/element such as 2.35, or "
+                         "'none'.")
     if args.group_sizes is not None:
         try:
-            sizes = tuple(int(x) for x in args.group_sizes.split(",") if x.strip())
+            out["group_sizes"] = tuple(int(x) for x in args.group_sizes.split(",") if x.strip())
         except ValueError:
             sys.exit(f"--group-sizes {args.group_sizes!r}: give comma-separated positive integers such as "
                      "32,64,128,256.")
-    return {"bits_budget": budget, "group_sizes": sizes, "group_size": args.group_size}
+    return out
 
 
 def calibrate(args) -> int:
     import torch
 
     from hf_kvint2 import OscarCache
-    from hf_kvint2.calibration import CalibrationData, calibration_summary, fit_from_statistics
-    from hf_kvint2.evaluation import confirm_range_clips
+    from hf_kvint2.calibration import CalibrationData, calibration_summary
 
     if not args.text:
         sys.exit("--text FILE is required (the calibration text; with --from-statistics: the text of that run, "
@@ -148,12 +158,10 @@ def calibrate(args) -> int:
         names.append(Path(path).name)
     if args.from_statistics and not os.path.isfile(args.from_statistics):
         sys.exit(f"--from-statistics {args.from_statistics}: no such file (write one with --save-statistics).")
+    options = _given(args)
     model, tokenizer, model_id, revision = load_model(args.model, args.revision, getattr(torch, args.dtype))
-    layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
-    common = dict(fit_clip=not args.no_fit_clip, layouts=layouts,
-                  centering=(False,) if args.no_centering else (False, True), sink_tokens=args.sink_tokens,
-                  recent_tokens=args.recent_tokens, data_description=", ".join(names), model_id=model_id,
-                  model_revision=revision, range_clip_check=confirm_range_clips, **_allocation(args))
+    common = dict(data_description=", ".join(names), model_id=model_id, model_revision=revision, verbose=False,
+                  **options)
     if args.from_statistics:
         data = CalibrationData.load(args.from_statistics)
         if data.num_layers != model.config.get_text_config().num_hidden_layers:
@@ -171,13 +179,11 @@ def calibrate(args) -> int:
         if args.fit_windows is not None and args.fit_windows != len(data.held_out):
             sys.exit(f"--from-statistics {args.from_statistics} holds {len(data.held_out)} held-back window(s), not "
                      f"--fit-windows {args.fit_windows}: drop --fit-windows, or save statistics with it.")
-        result = fit_from_statistics(data, model.config, model=model, **common)
-        cache = OscarCache(model.config, settings=result.settings, calibration=result.calibration)
-        cache.calibration_report = result.report
+        cache = OscarCache.from_statistics(data, model, **common)
     else:
-        cache = OscarCache.calibrate(model, tokenizer, texts, num_tokens=args.num_tokens, text_window=args.window,
-                                     fit_windows=1 if args.fit_windows is None else args.fit_windows,
-                                     verbose=False, **common)
+        sizes = {"num_tokens": args.num_tokens, "text_window": args.window, "fit_windows": args.fit_windows}
+        cache = OscarCache.calibrate(model, tokenizer, texts, **{k: v for k, v in sizes.items() if v is not None},
+                                     **common)
     folder = cache.save_pretrained(args.output, repo_id=args.push_to_hub)
     if args.save_statistics:
         cache.calibration_report["data"].save(args.save_statistics)

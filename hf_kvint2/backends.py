@@ -18,6 +18,7 @@ availability check), and test it against :func:`hf_kvint2.read_path.reference_bo
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from . import cpu_kernels, kernels
@@ -45,6 +46,23 @@ def select_body_partial(device, traceable: bool = False, differentiable: bool = 
                 BODY_BACKENDS["numba"].available():
             return BODY_BACKENDS["numba"]
     return BODY_BACKENDS["torch"]
+
+
+@contextlib.contextmanager
+def cpu_body(name: str):
+    """Within the block, CPU steps read the body with the ``"torch"`` or the ``"numba"`` backend (sets
+    ``HF_KVINT2_CPU_KERNEL``, restored afterwards)."""
+    if name not in ("torch", "numba"):
+        raise ValueError(f"cpu_body: {name!r} is not a CPU body backend; use 'torch' or 'numba'.")
+    before = os.environ.get(CPU_KERNEL_ENV)
+    os.environ[CPU_KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CPU_KERNEL_ENV, None)
+        else:
+            os.environ[CPU_KERNEL_ENV] = before
 
 
 def describe() -> list[str]:

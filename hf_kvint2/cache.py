@@ -11,7 +11,15 @@ from threading import get_ident
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .calibration import calibration_from_choices, fit_calibration, settings_from_choices
+from .calibration import (
+    DEFAULT_NUM_TOKENS,
+    DEFAULT_TEXT_WINDOW,
+    CalibrationData,
+    calibration_from_choices,
+    fit_calibration,
+    fit_from_statistics,
+    settings_from_choices,
+)
 from .calibration.run import print_summary
 from .concurrency import ThreadGuard
 from .distributed import resolve_shard, warn_if_undetectable
@@ -312,26 +320,41 @@ class OscarCache(CacheHubMixin, OscarCacheBase):
         return f"OscarCache({self.settings}, calibrated={self.calibration.calibrated}, layers={len(self.layers)})"
 
     @classmethod
-    def calibrate(cls, model, tokenizer, texts, num_tokens: int = 30000, text_window: int = 2048, *,
-                  verbose: bool = True, **kwargs) -> OscarCache:
-        """Calibrate OSCAR for ``model`` on ``texts`` and return a ready cache: spectral rotations,
-        means, clip ratios and a per-layer layout chosen by measured attention-output error (and, given
-        ``range_clip_check=hf_kvint2.evaluation.confirm_range_clips`` as ``calibrate_oscar.py`` does, narrowed
-        ranges of per-channel groups where the model's loss on the held-back windows confirms them). Two streaming passes
-        over ``num_tokens`` tokens in text windows of ``text_window`` tokens (the last ``fit_windows`` held back
-        for fitting). Keyword arguments (:func:`hf_kvint2.calibration.fit_calibration`): ``fit_clip``,
-        ``layouts``, ``centering``, ``clip_grid``, ``fit_windows``, ``fit_queries``, ``sink_tokens``,
-        ``recent_tokens``, ``group_size``, ``group_sizes`` and ``bits_budget`` (each layer's K and V get the
-        group size among ``group_sizes`` that minimises the held-back error with the mean bits/element of the
-        quantized body within ``bits_budget``; default ``"auto"``: 2.35, or what ``group_size`` everywhere costs
-        where that is more, e.g. 2.5 at head_dim 64; ``bits_budget=None``: ``group_size`` everywhere),
-        ``scale_dtype``, ``data_description``, ``model_id``,
-        ``model_revision``, ``value_pass`` (``"spill"`` keeps one window of keys/values on disk between the two
-        passes, ``"recompute"`` runs the model twice), ``spill_dir``, ``progress``. The cache carries
-        ``calibration_report`` (time, peak memory, choices, statistics: printed, not saved). Save it with
-        ``save_pretrained``."""
-        result = fit_calibration(model, tokenizer, texts, num_tokens=num_tokens, text_window=text_window, **kwargs)
-        cache = cls(model.config, settings=result.settings, calibration=result.calibration)
+    def calibrate(cls, model, tokenizer, texts, num_tokens: int = DEFAULT_NUM_TOKENS,
+                  text_window: int = DEFAULT_TEXT_WINDOW, *, verbose: bool = True, **kwargs) -> OscarCache:
+        """Calibrate OSCAR for ``model`` on ``texts`` and return a ready cache: spectral rotations, means, clip
+        ratios and a per-layer layout chosen by measured attention-output error, and narrowed ranges of
+        per-channel groups where the model's loss on the held-back windows, decoded through this cache, confirms
+        them. Two streaming passes over ``num_tokens`` tokens in text windows of ``text_window`` tokens (the last
+        ``fit_windows`` held back for fitting). ``calibration_scripts/calibrate_oscar.py`` runs this with the same
+        defaults. Keyword arguments (:func:`hf_kvint2.calibration.fit_calibration`): ``fit_clip``, ``layouts``,
+        ``centering``, ``clip_grid``, ``fit_windows``, ``fit_queries``, ``sink_tokens``, ``recent_tokens``,
+        ``group_size``, ``group_sizes`` and ``bits_budget`` (each layer's K and V get the group size among
+        ``group_sizes`` that minimises the held-back error with the mean bits/element of the quantized body
+        within ``bits_budget``; default ``"auto"``: 2.35, or what ``group_size`` everywhere costs where that is
+        more, e.g. 2.5 at head_dim 64; ``bits_budget=None``: ``group_size`` everywhere), ``scale_dtype``,
+        ``data_description``, ``model_id``, ``model_revision``, ``value_pass`` (``"spill"`` keeps one window of
+        keys/values on disk between the two passes, ``"recompute"`` runs the model twice), ``spill_dir``,
+        ``layers``, ``progress``. The cache carries ``calibration_report`` (time, peak memory, choices, statistics:
+        printed, not saved). Save it with ``save_pretrained``."""
+        result = fit_calibration(model, tokenizer, texts, num_tokens=num_tokens, text_window=text_window,
+                                 cache_type=cls, **kwargs)
+        return cls._from_result(result, model.config, verbose)
+
+    @classmethod
+    def from_statistics(cls, data: CalibrationData, model, *, verbose: bool = True, **kwargs) -> OscarCache:
+        """:meth:`calibrate` from statistics it collected before (``cache.calibration_report["data"]``, saved with
+        :meth:`~hf_kvint2.calibration.CalibrationData.save` and read with ``CalibrationData.load``): the same cache
+        as that run without running the model over the text again (the narrowed ranges are still checked on the
+        held-back windows). Keyword arguments: those of :meth:`calibrate` that fit
+        (:func:`hf_kvint2.calibration.fit_from_statistics`); ``sink_tokens`` / ``recent_tokens`` must be those
+        the statistics were collected with."""
+        result = fit_from_statistics(data, model.config, model=model, cache_type=cls, **kwargs)
+        return cls._from_result(result, model.config, verbose)
+
+    @classmethod
+    def _from_result(cls, result, config, verbose: bool) -> OscarCache:
+        cache = cls(config, settings=result.settings, calibration=result.calibration)
         cache.calibration_report = result.report
         if verbose:
             print_summary(cache)

@@ -12,8 +12,7 @@ imports this module.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
@@ -23,7 +22,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from .cache import OscarCache, OscarCacheBase, OscarScaledCache
-from .calibration import LayerChoice, calibration_from_choices, settings_from_choices
 from .layers import OscarLayer
 from .model_config import model_shape
 from .perplexity import (
@@ -319,65 +317,11 @@ def passkey_accuracy(model, tokenizer, methods: list[CacheMethod], lengths: list
     return results
 
 
-def confirm_range_clips(choices: Sequence[LayerChoice | None], model, held_ids: Sequence[torch.Tensor], *,
-                        sink_tokens: int, recent_tokens: int, group_size: int, scale_dtype: torch.dtype,
-                        head_dim: int, progress: bool = True) -> tuple[list[LayerChoice | None], dict | None]:
-    """Keep each stream's narrowed group range (:attr:`GroupLayout.range_clip`) only where the model's loss on the
-    held-back windows says it pays.
-
-    The held-back attention error measures how far each output moves, not which way: narrowing a range saturates a
-    group's extreme tokens, a shift of the same sign for every one of them, and where those tokens are what
-    attention looks for (Gemma 3's first full-attention layer) the error falls while perplexity rises by several
-    percent. So the windows are decoded by the evaluation's chunked protocol (prefill a quarter, chunks of a
-    sixteenth) through the whole calibrated cache, once as fitted and once per narrowed stream with that stream's
-    full range; a stream keeps its narrowed range only if its full range gives a higher loss. Returns the choices
-    and what was measured (None: nothing narrowed). The calibration calls it when given it
-    (``OscarCache.calibrate(..., range_clip_check=confirm_range_clips)``; ``calibrate_oscar.py`` does by default).
-    """
-    streams = [(i, kind) for i, c in enumerate(choices) if c is not None for kind in ("key", "value")
-               if getattr(c, kind).layout.range_clip is not None]
-    if not streams:
-        return list(choices), None
-
-    def widened(drop) -> list[LayerChoice | None]:
-        out = list(choices)
-        for i, kind in drop:
-            c = out[i]
-            cand = getattr(c, kind)
-            full = replace(cand, layout=replace(cand.layout, range_clip=None))
-            size = cand.layout.group_size
-            name = f"{kind}:{cand.name}@None" + ("" if size == min(group_size, head_dim) else f"/g{size}")
-            out[i] = replace(c, **{kind: full, f"{kind}_error": c.errors.get(name, float("nan"))})
-        return out
-
-    def method(name, ch):
-        settings = settings_from_choices(ch, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                                         group_size=group_size, scale_dtype=scale_dtype)
-        calibration = calibration_from_choices(ch)
-        return CacheMethod(name, name, lambda cfg: OscarCache(cfg, settings=settings, calibration=calibration))
-
-    variants = {"fitted": list(choices), **{f"{i}:{kind}": widened([(i, kind)]) for i, kind in streams}}
-    windows = torch.stack(list(held_ids)).long()
-    window = windows.shape[1]
-    prefill, chunk = window // 4, max(1, window // 16)
-    names, nll = list(variants), {}
-    for j in range(0, len(names), 4):  # a few caches side by side: memory stays that of ~4 decodes
-        batch = [method(n, variants[n]) for n in names[j:j + 4]]
-        results = chunked_perplexity(model, windows, batch, prefill, chunk, progress=progress)
-        nll.update({n: math.log(r.perplexity) for n, r in results.items()})
-    drop = [(i, kind) for i, kind in streams if nll[f"{i}:{kind}"] < nll["fitted"]]
-    report = {"method": "held-back loss (chunked decode: prefill window/4, chunks window/16) of the calibrated "
-                        "cache as fitted and with each narrowed stream at its full range",
-              "held_back_nll": nll,
-              "kept": [f"{i}:{kind}" for i, kind in streams if (i, kind) not in drop],
-              "widened": [f"{i}:{kind}" for i, kind in drop]}
-    return widened(drop), report
-
 
 __all__ = [
     "CALIBRATION_TEXT", "EVAL_TEXT", "HAYSTACK_TEXT", "PASSKEY_INTRO", "PASSKEY_NEEDLE", "PASSKEY_QUESTION",
     "ByteTokenizer", "CacheMethod", "PasskeyPrompt", "PerplexityResult", "agreement_prompts", "bits_at_length",
-    "cache_bits_per_element", "cache_kwarg", "chunked_perplexity", "confirm_range_clips", "describe", "encode", "engine_cache",
+    "cache_bits_per_element", "cache_kwarg", "chunked_perplexity", "describe", "encode", "engine_cache",
     "eval_windows", "full_precision_prefill", "greedy_agreement", "greedy_continuations", "load_text",
     "passkey_accuracy", "passkey_prompts", "plain_perplexity", "standard_methods", "with_key_token_scaling",
 ]

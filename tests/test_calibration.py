@@ -273,12 +273,21 @@ def test_range_clip_fitting_narrows_per_channel_groups_with_rare_outliers():
         assert plain.key.layout.range_clip is None and plain.key_error == choice.errors["key:channel@None"]
 
 
-def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer):
+def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer, monkeypatch):
     """With the model, per-channel streams may narrow their range and each that does is checked by the held-back
-    loss of the whole cache: kept where widening it would raise the loss, widened (back to the full range and its
-    measured error) otherwise. Without the check (range_clip_check) no range is narrowed."""
-    from hf_kvint2.calibration import fit_from_statistics, fit_layers
-    from hf_kvint2.evaluation import confirm_range_clips
+    loss of the whole cache (its body read by the PyTorch backend, which compiles nothing; the CPU kernel setting
+    is restored after): kept where widening it would raise the loss, widened (back to the full range and its
+    measured error) otherwise. Without the cache type to check them in no range is narrowed."""
+    import os
+
+    from hf_kvint2 import steps
+    from hf_kvint2.backends import CPU_KERNEL_ENV
+    from hf_kvint2.calibration import confirm_range_clips, fit_from_statistics, fit_layers
+
+    chosen, select = [], steps.select_body_partial
+    monkeypatch.setattr(steps, "select_body_partial", lambda *a, **kw: chosen.append(select(*a, **kw).name)
+                        or select(*a, **kw))
+    monkeypatch.setenv(CPU_KERNEL_ENV, "numba")
 
     model = tiny_llama()
     data = collect_statistics(model, tokenizer, [TEXT], num_tokens=1200, progress=False, **SETTINGS)
@@ -287,8 +296,10 @@ def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer)
     narrowed = [(i, kind) for i, c in enumerate(fitted) for kind in ("key", "value")
                 if getattr(c, kind).layout.range_clip is not None]
     assert narrowed  # heavy-tailed activations of a random model: the probe narrows some streams
-    final, check = confirm_range_clips(fitted, model, data.held_ids, sink_tokens=8, recent_tokens=32,
-                                       group_size=16, scale_dtype=torch.float16, head_dim=16, progress=False)
+    final, check = confirm_range_clips(fitted, model, data.held_ids, cache_type=OscarCache, sink_tokens=8,
+                                       recent_tokens=32, group_size=16, scale_dtype=torch.float16, head_dim=16,
+                                       progress=False)
+    assert chosen and set(chosen) == {"torch"} and os.environ[CPU_KERNEL_ENV] == "numba"
     nll = check["held_back_nll"]
     assert set(nll) == {"fitted"} | {f"{i}:{kind}" for i, kind in narrowed}
     for i, kind in narrowed:
@@ -300,7 +311,7 @@ def test_narrowed_ranges_are_kept_only_where_the_held_back_loss_falls(tokenizer)
         else:
             assert layout == getattr(fitted[i], kind).layout
     result = fit_from_statistics(data, model.config, bits_budget=None, progress=False, model=model,
-                                 range_clip_check=confirm_range_clips, **kw)
+                                 cache_type=OscarCache, **kw)
     info = result.calibration.info
     assert info["candidates"]["range_clip_grid"] == list(DEFAULT_RANGE_CLIP_GRID)
     assert [p[0].range_clip for p in result.calibration.layer_layouts] == [final[i].key.layout.range_clip
@@ -355,6 +366,65 @@ def test_cli_writes_artifact(tokenizer, tmp_path, capsys):
     loaded = OscarCache.from_pretrained(out)
     assert loaded.settings.k_clip is not None
     assert len(loaded.calibration.k_rotations) == 2 and loaded.calibration.layout_names is not None
+
+
+def test_python_and_the_script_calibrate_the_same_artifact(tokenizer, tmp_path, single_thread):
+    """OscarCache.calibrate from Python and calibrate_oscar.py give the same artifact (same tensors, same config,
+    byte for byte) from the same model, text and options, with the defaults left to the library: both narrow
+    per-channel ranges and check them end to end on the held-back loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cli, model_dir, text = _calibration_cli(tokenizer, tmp_path)
+    assert cli.main(["--model", str(model_dir), "--text", str(text), "--num-tokens", "800", "--window", "256",
+                     "--sink-tokens", "8", "--recent-tokens", "32", "--layouts", "channel",
+                     "--output", str(tmp_path / "script")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = OscarCache.calibrate(model, AutoTokenizer.from_pretrained(model_dir), [TEXT], num_tokens=800,
+                                 text_window=256, sink_tokens=8, recent_tokens=32, layouts=("channel",),
+                                 data_description=text.name, model_id=str(model_dir), progress=False, verbose=False)
+    cache.save_pretrained(tmp_path / "python")
+    info = cache.calibration.info
+    assert info["candidates"]["range_clip_grid"] == list(DEFAULT_RANGE_CLIP_GRID) and info["range_clip_check"]
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "script" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name
+
+
+def test_script_help_states_the_library_defaults(tokenizer, tmp_path, monkeypatch):
+    """calibrate_oscar.py leaves every fitting option it is not given to OscarCache.calibrate; the defaults its help
+    states (written there so that --help prints before torch loads) are the library's."""
+    import argparse
+
+    from hf_kvint2.calibration import (
+        DEFAULT_BITS_BUDGET,
+        DEFAULT_FIT_WINDOWS,
+        DEFAULT_GROUP_SIZES,
+        DEFAULT_K_CLIP,
+        DEFAULT_NUM_TOKENS,
+        DEFAULT_TEXT_WINDOW,
+        DEFAULT_V_CLIP,
+        LAYOUTS,
+    )
+    from hf_kvint2.settings import OSCAR_DEFAULTS
+
+    cli, _, _ = _calibration_cli(tokenizer, tmp_path)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", lambda self, argv=None: self)
+    parser = cli.parse_args([])
+    helps = {action.option_strings[0]: " ".join(action.help.split()) for action in parser._actions
+             if action.option_strings and action.help}
+    stated = {"--num-tokens": f"(default {DEFAULT_NUM_TOKENS})", "--window": f"(default {DEFAULT_TEXT_WINDOW})",
+              "--fit-windows": f"(default {DEFAULT_FIT_WINDOWS})",
+              "--sink-tokens": f"(default {OSCAR_DEFAULTS.sink_tokens})",
+              "--recent-tokens": f"(default {OSCAR_DEFAULTS.recent_tokens})",
+              "--group-size": f"(default {OSCAR_DEFAULTS.group_size})",
+              "--group-sizes": f"(default {','.join(map(str, DEFAULT_GROUP_SIZES))};",
+              "--bits-budget": f"(default 'auto': {DEFAULT_BITS_BUDGET},",
+              "--layouts": f"among {','.join(LAYOUTS)} (default: all",
+              "--no-fit-clip": f"{DEFAULT_K_CLIP} (keys) / {DEFAULT_V_CLIP} (values)"}
+    for option, text in stated.items():
+        assert text in helps[option], (option, helps[option])
+    for option in ("--num-tokens", "--window", "--fit-windows", "--sink-tokens", "--recent-tokens", "--group-size",
+                   "--group-sizes", "--bits-budget", "--layouts"):
+        assert parser.get_default(option.lstrip("-").replace("-", "_")) is None, option  # left to the library
 
 
 def test_spilled_and_recomputed_value_pass_agree(tokenizer):

@@ -1,8 +1,11 @@
-"""OSCAR calibration: capture post-RoPE Q/K/V, stream the key and value metrics, fit rotations, clip
-ratios, centering and the per-layer layout; ``OscarCache.calibrate`` builds the cache from the result.
+"""OSCAR calibration: capture post-RoPE Q/K/V, stream the key and value metrics, fit rotations, clip ratios,
+centering and the per-layer layout; ``OscarCache.calibrate`` builds the cache from the result.
 
 Modules: :mod:`.capture` (observing the model), :mod:`.statistics` (the two passes), :mod:`.fitting`
-(candidates and the per-layer choice), :mod:`.run` (running the steps, the result, its description).
+(candidates and the per-layer choice), :mod:`.confirm` (narrowed ranges checked by the model's loss), :mod:`.run`
+(running the steps, the result, its description). Defaults: the windows, group size and reference clips are
+``OscarCache``'s (:data:`hf_kvint2.settings.OSCAR_DEFAULTS`), the rest are the ``DEFAULT_*`` constants here;
+``OscarCache.calibrate`` and ``calibration_scripts/calibrate_oscar.py`` use them alike.
 
 How it runs:
 
@@ -31,17 +34,19 @@ How it runs:
 * **Narrowed ranges, checked end to end.** Per-channel groups may also span only a fraction of their
   ``[min, max]`` (``GroupLayout.range_clip``, fitted like the clips). The attention-output error cannot tell a
   shift that every saturated token shares from noise, so each stream that narrows is then checked by the model's
-  loss on the held-back windows (the evaluation's chunked decode through the whole calibrated cache) and keeps
-  its full range where that loss is lower (``range_clip_check=hf_kvint2.evaluation.confirm_range_clips``, which
-  ``calibrate_oscar.py`` passes; the evaluation sits above this package). Without it, the model or the held-back
-  token ids nothing is narrowed.
+  loss on the held-back windows (the evaluation's chunked decode, :mod:`hf_kvint2.perplexity`, through the whole
+  calibrated cache) and keeps its full range where that loss is lower (:func:`.confirm.confirm_range_clips`;
+  ``OscarCache.calibrate`` runs it, and ``calibrate_oscar.py`` is ``OscarCache.calibrate`` with command-line
+  arguments). Without the model, the cache type or the held-back token ids nothing is narrowed.
 
 Tokens inside the sink window (the first ``sink_tokens`` of every window) never get quantized, so they are left
 out of the key/value statistics (they carry the attention-sink outliers); all queries count.
 """
 
 from .capture import capture_attention, tokenize_texts
+from .confirm import confirm_range_clips
 from .fitting import (
+    CENTERING,
     DEFAULT_BITS_BUDGET,
     DEFAULT_CLIP_GRID,
     DEFAULT_GROUP_SIZES,
@@ -54,28 +59,46 @@ from .fitting import (
     LayerErrorProbe,
     allocate_group_sizes,
     body_bits,
+    calibration_from_choices,
     candidate_transforms,
     fit_layer,
     fit_layers,
+    settings_from_choices,
     stream_bits,
 )
 from .run import (
+    AUTO_BUDGET,
     CalibrationResult,
-    calibration_from_choices,
     calibration_info,
     calibration_summary,
     fit_calibration,
     fit_from_statistics,
-    settings_from_choices,
 )
-from .statistics import CalibrationData, HeldOutLayer, LayerStatistics, collect_statistics
+from .statistics import (
+    DEFAULT_FIT_QUERIES,
+    DEFAULT_FIT_WINDOWS,
+    DEFAULT_NUM_TOKENS,
+    DEFAULT_TEXT_WINDOW,
+    DEFAULT_VALUE_PASS,
+    CalibrationData,
+    HeldOutLayer,
+    LayerStatistics,
+    collect_statistics,
+)
 
 __all__ = [
+    "AUTO_BUDGET",
+    "CENTERING",
     "DEFAULT_BITS_BUDGET",
     "DEFAULT_CLIP_GRID",
+    "DEFAULT_FIT_QUERIES",
+    "DEFAULT_FIT_WINDOWS",
     "DEFAULT_GROUP_SIZES",
     "DEFAULT_K_CLIP",
+    "DEFAULT_NUM_TOKENS",
     "DEFAULT_RANGE_CLIP_GRID",
+    "DEFAULT_TEXT_WINDOW",
+    "DEFAULT_VALUE_PASS",
     "DEFAULT_V_CLIP",
     "LAYOUTS",
     "CalibrationData",
@@ -93,6 +116,7 @@ __all__ = [
     "candidate_transforms",
     "capture_attention",
     "collect_statistics",
+    "confirm_range_clips",
     "fit_calibration",
     "fit_from_statistics",
     "fit_layer",

@@ -11,20 +11,22 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..recipes import GroupLayout
+from ..settings import OSCAR_DEFAULTS, OscarCalibration, OscarSettings
 from ..stream import QuantizedStream, StreamCodec
 from ..transforms import hadamard_matrix, spectral_rotation
 from .statistics import CalibrationData, HeldOutLayer, LayerStatistics
 
 LAYOUTS = ("spectral", "hadamard", "channel")
+CENTERING = (False, True)  # candidates without and with the means subtracted
 DEFAULT_CLIP_GRID = (0.86, 0.89, 0.92, 0.94, 0.96, 0.98, 1.0)
 # Per-channel token groups: the fractions of each group's [min, max] the four levels may span
 # (GroupLayout.range_clip). With 2 bits a group's extreme tokens set levels that most of its tokens fall between.
-# What the held-back error prefers is then checked end to end (evaluation.confirm_range_clips; docs/calibration.md), so
+# What the held-back error prefers is then checked end to end (confirm.confirm_range_clips; docs/calibration.md), so
 # fit_layer / fit_layers narrow only when given this grid (fit_from_statistics does, with the model). The full range
 # first: ties keep it.
 DEFAULT_RANGE_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 FULL_RANGE = (1.0,)
-DEFAULT_K_CLIP, DEFAULT_V_CLIP = 0.96, 0.92
+DEFAULT_K_CLIP, DEFAULT_V_CLIP = OSCAR_DEFAULTS.k_clip, OSCAR_DEFAULTS.v_clip
 # Group sizes each K/V stream may get (per-token groups are capped at head_dim) and the default budget of the
 # quantized body in bits/element, averaged over the calibrated K/V streams: 2-bit codes plus a scale and a zero
 # point per group (2 x 16 bits with fp16 scales: 32 / group bits). 2.35 is what the uniform group of 128 costs
@@ -158,14 +160,14 @@ def _group_options(axis: str, sizes: Sequence[int], head_dim: int) -> list[int]:
 
 
 def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: int, *, layouts=LAYOUTS,
-              centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
-              range_clip_grid=FULL_RANGE, group_size: int = 128,
+              centering=CENTERING, fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
+              range_clip_grid=FULL_RANGE, group_size: int = OSCAR_DEFAULTS.group_size,
               group_sizes: Sequence[int] | None = None) -> LayerChoice:
     """Pick the key and the value candidate with the lowest attention-output error (first wins ties); without
     ``fit_clip`` the reference clips ``DEFAULT_K_CLIP`` / ``DEFAULT_V_CLIP`` and per-channel groups span their
     whole range. Per-token candidates try the row clips of ``clip_grid``, per-channel ones the narrowed group
     ranges of ``range_clip_grid`` (:attr:`GroupLayout.range_clip`; default: the full range only, since the
-    attention error alone is no safe guide to them: :func:`hf_kvint2.evaluation.confirm_range_clips`).
+    attention error alone is no safe guide to them: :func:`hf_kvint2.calibration.confirm.confirm_range_clips`).
 
     The choice is made at ``group_size`` (per-channel key groups over ``min(group_size, head_dim)`` tokens: the
     same scale count as per-token groups); ``group_sizes`` also measures every candidate at those group sizes and
@@ -209,13 +211,13 @@ def fit_layer(stats: LayerStatistics, probe: LayerErrorProbe | None, head_dim: i
                        options if group_sizes else {})
 
 
-def stream_bits(group: int, scale_dtype: torch.dtype = torch.float16) -> float:
+def stream_bits(group: int, scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype) -> float:
     """Bits/element of a quantized body stored in groups of ``group``: 2-bit codes + scale and zero point."""
     return 2.0 + 2 * torch.finfo(scale_dtype).bits / group
 
 
 def body_bits(choices: Sequence[LayerChoice | None], head_dim: int,
-              scale_dtype: torch.dtype = torch.float16) -> float:
+              scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype) -> float:
     """Mean bits/element of the quantized body over the calibrated layers' K and V streams (the same number of
     elements each; the full-precision windows not counted: they depend on the context length)."""
     groups = [c.key.layout.group_for(head_dim) for c in choices if c is not None] + \
@@ -226,7 +228,7 @@ def body_bits(choices: Sequence[LayerChoice | None], head_dim: int,
 
 
 def allocate_group_sizes(choices: Sequence[LayerChoice | None], bits_budget: float, head_dim: int,
-                         scale_dtype: torch.dtype = torch.float16) -> list[LayerChoice | None]:
+                         scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype) -> list[LayerChoice | None]:
     """Give every calibrated K/V stream the group size (among its :attr:`LayerChoice.options`) that minimises the
     summed held-back attention-output error with the mean body bits/element (:func:`body_bits`) within
     ``bits_budget``: an exact multiple-choice knapsack by dynamic programming over the scale bits (few streams,
@@ -270,9 +272,34 @@ def allocate_group_sizes(choices: Sequence[LayerChoice | None], bits_budget: flo
     return out
 
 
-def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=(False, True), fit_clip: bool = True,
-               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=FULL_RANGE, sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
-               group_sizes: Sequence[int] | None = None, scale_dtype: torch.dtype = torch.float16,
+def calibration_from_choices(choices: Sequence[LayerChoice | None], info: dict | None = None) -> OscarCalibration:
+    """Every layer stored as its :class:`LayerChoice` says (the clips are in the layouts); a None choice (a layer
+    not calibrated, e.g. sliding-window) has None entries: stored like an uncalibrated OscarCache layer if ever
+    quantized."""
+    def each(get):
+        return [None if c is None else get(c) for c in choices]
+
+    return OscarCalibration(
+        k_rotations=each(lambda c: c.key.rotation), v_rotations=each(lambda c: c.value.rotation),
+        key_means=each(lambda c: c.key.mean), value_means=each(lambda c: c.value.mean),
+        layer_layouts=each(lambda c: (c.key.layout, c.value.layout)),
+        k_eigenvalues=each(lambda c: c.key.eigenvalues), v_eigenvalues=each(lambda c: c.value.eigenvalues),
+        layout_names=each(lambda c: f"key={c.key.name} value={c.value.name}"), info=dict(info or {}))
+
+
+def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens, recent_tokens: int = OSCAR_DEFAULTS.recent_tokens,
+                          group_size: int = OSCAR_DEFAULTS.group_size, scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype) -> OscarSettings:
+    """The windows and group size calibrated with, and each layer's chosen clip ratios (the reference clips for
+    layers not calibrated)."""
+    return OscarSettings(sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
+                         k_clip=tuple(DEFAULT_K_CLIP if c is None else c.key.layout.clip for c in choices),
+                         v_clip=tuple(DEFAULT_V_CLIP if c is None else c.value.layout.clip for c in choices),
+                         scale_dtype=scale_dtype)
+
+
+def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=CENTERING, fit_clip: bool = True,
+               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=FULL_RANGE, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens, recent_tokens: int = OSCAR_DEFAULTS.recent_tokens, group_size: int = OSCAR_DEFAULTS.group_size,
+               group_sizes: Sequence[int] | None = None, scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype,
                progress: bool = True) -> list[LayerChoice | None]:
     """One :class:`LayerChoice` per layer, None for the layers without statistics (not calibrated)."""
     from tqdm.auto import tqdm

@@ -6,29 +6,42 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..distributed import is_main_process
 from ..model_config import layer_types
-from ..settings import OscarCalibration, OscarSettings
+from ..settings import OSCAR_DEFAULTS, OscarCalibration, OscarSettings
+from .confirm import confirm_range_clips
 from .fitting import (
+    CENTERING,
     DEFAULT_BITS_BUDGET,
     DEFAULT_CLIP_GRID,
     DEFAULT_GROUP_SIZES,
-    DEFAULT_K_CLIP,
     DEFAULT_RANGE_CLIP_GRID,
-    DEFAULT_V_CLIP,
     FULL_RANGE,
     LAYOUTS,
     LayerChoice,
     allocate_group_sizes,
     body_bits,
+    calibration_from_choices,
     fit_layers,
+    settings_from_choices,
 )
-from .statistics import CalibrationData, _peak_memory_bytes, collect_statistics
+from .statistics import (
+    DEFAULT_FIT_QUERIES,
+    DEFAULT_FIT_WINDOWS,
+    DEFAULT_NUM_TOKENS,
+    DEFAULT_TEXT_WINDOW,
+    DEFAULT_VALUE_PASS,
+    CalibrationData,
+    _peak_memory_bytes,
+    collect_statistics,
+)
+
+AUTO_BUDGET = "auto"  # DEFAULT_BITS_BUDGET, or what group_size everywhere costs where that is more
 
 
 @dataclass
@@ -41,34 +54,9 @@ class CalibrationResult:
     report: dict
 
 
-def calibration_from_choices(choices: Sequence[LayerChoice | None], info: dict | None = None) -> OscarCalibration:
-    """Every layer stored as its :class:`LayerChoice` says (the clips are in the layouts); a None choice (a layer
-    not calibrated, e.g. sliding-window) has None entries: stored like an uncalibrated OscarCache layer if ever
-    quantized."""
-    def each(get):
-        return [None if c is None else get(c) for c in choices]
-
-    return OscarCalibration(
-        k_rotations=each(lambda c: c.key.rotation), v_rotations=each(lambda c: c.value.rotation),
-        key_means=each(lambda c: c.key.mean), value_means=each(lambda c: c.value.mean),
-        layer_layouts=each(lambda c: (c.key.layout, c.value.layout)),
-        k_eigenvalues=each(lambda c: c.key.eigenvalues), v_eigenvalues=each(lambda c: c.value.eigenvalues),
-        layout_names=each(lambda c: f"key={c.key.name} value={c.value.name}"), info=dict(info or {}))
-
-
-def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens: int = 64, recent_tokens: int = 256,
-                          group_size: int = 128, scale_dtype: torch.dtype = torch.float16) -> OscarSettings:
-    """The windows and group size calibrated with, and each layer's chosen clip ratios (the reference clips for
-    layers not calibrated)."""
-    return OscarSettings(sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
-                         k_clip=tuple(DEFAULT_K_CLIP if c is None else c.key.layout.clip for c in choices),
-                         v_clip=tuple(DEFAULT_V_CLIP if c is None else c.value.layout.clip for c in choices),
-                         scale_dtype=scale_dtype)
-
-
 def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], config, data_description: str,
                      model_id: str | None = None, model_revision: str | None = None, *, layouts=LAYOUTS,
-                     centering=(False, True), fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
+                     centering=CENTERING, fit_clip: bool = True, clip_grid=DEFAULT_CLIP_GRID,
                      range_clip_grid=None, group_allocation: dict | None = None,
                      range_clip_check: dict | None = None) -> dict:
     """The deterministic description stored in the artifact (no timings: same inputs, same bytes).
@@ -103,7 +91,7 @@ def calibration_info(data: CalibrationData, choices: Sequence[LayerChoice], conf
 def _check_allocation(group_sizes, bits_budget) -> tuple[int, ...] | None:
     if bits_budget is None:
         return None
-    if bits_budget != "auto" and (isinstance(bits_budget, bool) or not isinstance(bits_budget, (int, float))
+    if bits_budget != AUTO_BUDGET and (isinstance(bits_budget, bool) or not isinstance(bits_budget, (int, float))
                                   or not 2.0 < bits_budget <= 16.0):
         raise ValueError(f"bits_budget must be a number of bits/element in (2, 16] (2-bit codes plus the scales), "
                          f"'auto' (the default: {DEFAULT_BITS_BUDGET}, or what group_size everywhere costs where "
@@ -116,13 +104,15 @@ def _check_allocation(group_sizes, bits_budget) -> tuple[int, ...] | None:
 
 
 def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True, layouts: Sequence[str] = LAYOUTS,
-                        centering: Sequence[bool] = (False, True), clip_grid: Sequence[float] = DEFAULT_CLIP_GRID,
-                        sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
+                        centering: Sequence[bool] = CENTERING, clip_grid: Sequence[float] = DEFAULT_CLIP_GRID,
+                        sink_tokens: int = OSCAR_DEFAULTS.sink_tokens,
+                        recent_tokens: int = OSCAR_DEFAULTS.recent_tokens, group_size: int = OSCAR_DEFAULTS.group_size,
                         group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
-                        bits_budget: float | str | None = "auto", scale_dtype: torch.dtype = torch.float16,
-                        data_description: str = "", model_id: str | None = None, model_revision: str | None = None,
-                        progress: bool = True, choices: Sequence[LayerChoice | None] | None = None,
-                        model=None, range_clip_check: Callable | None = None) -> CalibrationResult:
+                        bits_budget: float | str | None = AUTO_BUDGET,
+                        scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype, data_description: str = "",
+                        model_id: str | None = None, model_revision: str | None = None, progress: bool = True,
+                        choices: Sequence[LayerChoice | None] | None = None, model=None,
+                        cache_type=None) -> CalibrationResult:
     """Steps 3-4 of a calibration from collected (or saved, :meth:`CalibrationData.load`) statistics: fit every
     calibrated layer (or take ``choices`` fitted before with the same arguments), allocate the group sizes within
     ``bits_budget`` and build the settings and calibration. ``bits_budget``: bits/element of the quantized body
@@ -132,14 +122,15 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
     ``group_size`` everywhere. ``sink_tokens`` / ``recent_tokens`` must be those the statistics were collected
     with.
 
-    ``model`` and ``range_clip_check`` (:func:`hf_kvint2.evaluation.confirm_range_clips`, given by the caller:
-    the evaluation's decode loop sits above this package), with ``fit_clip`` and statistics that hold their
-    held-back token ids: per-channel groups may also narrow their range (:attr:`GroupLayout.range_clip`), and every
-    stream that does is checked end to end by ``range_clip_check(choices, model, held_ids, ...)``: the held-back
-    attention error favours narrowing where the model's loss does not. Without them no range is narrowed."""
+    ``model`` and ``cache_type`` (the cache class the result is for, ``OscarCache``: its ``calibrate`` passes
+    both), with ``fit_clip`` and statistics that hold their held-back token ids: per-channel groups may also narrow
+    their range (:attr:`GroupLayout.range_clip`), and every stream that does is checked end to end by
+    :func:`~hf_kvint2.calibration.confirm.confirm_range_clips` (the model's loss on the held-back windows through
+    the calibrated ``cache_type``): the held-back attention error favours narrowing where the model's loss does
+    not. Without them no range is narrowed."""
     sizes = _check_allocation(group_sizes, bits_budget)
     start = time.perf_counter()
-    confirming = model is not None and range_clip_check is not None and fit_clip and bool(data.held_ids)
+    confirming = model is not None and cache_type is not None and fit_clip and bool(data.held_ids)
     range_grid = DEFAULT_RANGE_CLIP_GRID if confirming else None
     if choices is None:
         choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
@@ -148,9 +139,9 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
     allocation = None
     if sizes is not None:
         uniform = body_bits(choices, data.head_dim, scale_dtype)
-        budget = max(DEFAULT_BITS_BUDGET, uniform) if bits_budget == "auto" else bits_budget
+        budget = max(DEFAULT_BITS_BUDGET, uniform) if bits_budget == AUTO_BUDGET else bits_budget
         choices = allocate_group_sizes(choices, budget, data.head_dim, scale_dtype)
-        allocation = {"bits_budget": float(budget), "budget_rule": "auto" if bits_budget == "auto" else "given",
+        allocation = {"bits_budget": float(budget), "budget_rule": "auto" if bits_budget == AUTO_BUDGET else "given",
                       "group_sizes": list(sizes), "scale_dtype":
                       str(scale_dtype).removeprefix("torch."),
                       "body_bits": body_bits(choices, data.head_dim, scale_dtype), "uniform_body_bits": uniform,
@@ -158,9 +149,10 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
                                 "within the mean body bits/element budget (exact knapsack)"}
     confirmation = None
     if confirming:
-        choices, confirmation = range_clip_check(
-            choices, model, data.held_ids, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-            group_size=group_size, scale_dtype=scale_dtype, head_dim=data.head_dim, progress=progress)
+        choices, confirmation = confirm_range_clips(
+            choices, model, data.held_ids, cache_type=cache_type, sink_tokens=sink_tokens,
+            recent_tokens=recent_tokens, group_size=group_size, scale_dtype=scale_dtype, head_dim=data.head_dim,
+            progress=progress)
     info = calibration_info(data, choices, config, data_description, model_id, model_revision, layouts=layouts,
                             centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
                             range_clip_grid=range_grid, group_allocation=allocation,
@@ -171,16 +163,18 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
     return CalibrationResult(settings, calibration_from_choices(choices, info), report)
 
 
-def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30000, text_window: int = 2048, *,
-                    fit_clip: bool = True, layouts: Sequence[str] = LAYOUTS, centering: Sequence[bool] = (False, True),
-                    clip_grid: Sequence[float] = DEFAULT_CLIP_GRID, fit_windows: int = 1, fit_queries: int = 256,
-                    sink_tokens: int = 64, recent_tokens: int = 256, group_size: int = 128,
+def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = DEFAULT_NUM_TOKENS,
+                    text_window: int = DEFAULT_TEXT_WINDOW, *, fit_clip: bool = True, layouts: Sequence[str] = LAYOUTS,
+                    centering: Sequence[bool] = CENTERING, clip_grid: Sequence[float] = DEFAULT_CLIP_GRID,
+                    fit_windows: int = DEFAULT_FIT_WINDOWS, fit_queries: int = DEFAULT_FIT_QUERIES,
+                    sink_tokens: int = OSCAR_DEFAULTS.sink_tokens, recent_tokens: int = OSCAR_DEFAULTS.recent_tokens,
+                    group_size: int = OSCAR_DEFAULTS.group_size,
                     group_sizes: Sequence[int] | None = DEFAULT_GROUP_SIZES,
-                    bits_budget: float | str | None = "auto",
-                    scale_dtype: torch.dtype = torch.float16, data_description: str | None = None,
-                    model_id: str | None = None, model_revision: str | None = None, value_pass: str = "spill",
-                    spill_dir: str | None = None, layers: Sequence[int] | None = None,
-                    range_clip_check: Callable | None = None, progress: bool = True) -> CalibrationResult:
+                    bits_budget: float | str | None = AUTO_BUDGET,
+                    scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype, data_description: str | None = None,
+                    model_id: str | None = None, model_revision: str | None = None,
+                    value_pass: str = DEFAULT_VALUE_PASS, spill_dir: str | None = None,
+                    layers: Sequence[int] | None = None, cache_type=None, progress: bool = True) -> CalibrationResult:
     """Calibrate OSCAR for ``model`` on ``texts`` (what :meth:`hf_kvint2.OscarCache.calibrate` runs; the arguments
     are documented there)."""
     layouts, centering = tuple(layouts), tuple(centering)
@@ -211,7 +205,7 @@ def fit_calibration(model, tokenizer, texts: Sequence[str], num_tokens: int = 30
         data_description=data_description or f"{len(texts) if not isinstance(texts, str) else 1} text(s)",
         model_id=model_id, model_revision=model_revision, progress=progress,
         model=None if distributed else model,  # the end-to-end check decodes with one process's whole model
-        range_clip_check=range_clip_check)
+        cache_type=cache_type)
     device = next(model.parameters()).device
     result.report.update(seconds=time.perf_counter() - start, seconds_capture=data.info["seconds_capture"],
                          peak_memory_bytes=_peak_memory_bytes(device))

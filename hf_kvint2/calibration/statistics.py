@@ -17,8 +17,14 @@ import torch
 
 from ..distributed import is_main_process, resolve_shard, tp_group
 from ..model_config import model_shape, quantized_layers
+from ..settings import OSCAR_DEFAULTS
 from .capture import capture_attention, tokenize_texts
 
+# What a calibration reads by default: tokens of text in windows of this many, the last window(s) held back for fitting
+# (with this many query rows per layer kept for the error probe); pass 2 reads pass 1's keys and values from disk.
+DEFAULT_NUM_TOKENS, DEFAULT_TEXT_WINDOW = 30000, 2048
+DEFAULT_FIT_WINDOWS, DEFAULT_FIT_QUERIES = 1, 256
+DEFAULT_VALUE_PASS = "spill"
 
 class LayerStatistics:
     """Streaming float64 accumulators of one layer; size O(kv_heads * d^2), independent of the token count.
@@ -186,10 +192,12 @@ def _peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: int = 30000, text_window: int = 2048,
-                       fit_windows: int = 1, fit_queries: int = 256, sink_tokens: int = 64,
-                       recent_tokens: int = 256, value_pass: str = "spill", spill_dir: str | None = None,
-                       layers: Sequence[int] | None = None, progress: bool = True) -> CalibrationData:
+def collect_statistics(model, tokenizer, texts: Sequence[str], *, num_tokens: int = DEFAULT_NUM_TOKENS,
+                       text_window: int = DEFAULT_TEXT_WINDOW, fit_windows: int = DEFAULT_FIT_WINDOWS,
+                       fit_queries: int = DEFAULT_FIT_QUERIES, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens,
+                       recent_tokens: int = OSCAR_DEFAULTS.recent_tokens, value_pass: str = DEFAULT_VALUE_PASS,
+                       spill_dir: str | None = None, layers: Sequence[int] | None = None,
+                       progress: bool = True) -> CalibrationData:
     """Run the two capture passes (see the module docstring) and return the accumulated statistics.
 
     ``layers``: the layer indices to calibrate; default :func:`quantized_layers` (the full-attention layers: the
