@@ -1,9 +1,9 @@
 """The quality guard: each bundled model's perplexity on a fixed window of the evaluation text, with the full
 precision cache and the two INT2 caches users get, stays within a stated band of the value recorded here.
 
-Protocol (that of ``hf_kvint2.evaluation.chunked_perplexity``, through the caches themselves): the first
-``WINDOW`` tokens of ``emma.txt``; ``PREFILL`` tokens in one forward, then chunks of ``CHUNK`` tokens through the
-same cache, every token after the prefill scored. The model reads the cache through ``"oscar"`` (Numba on CPU when
+Protocol: ``hf_kvint2.perplexity.chunked_perplexity`` (the quality harness's), through the caches themselves: the
+first ``WINDOW`` tokens of ``emma.txt``; ``PREFILL`` tokens in one forward (replayed into the cache as that forward
+stores them), then chunks of ``CHUNK`` tokens through the same cache, every token after the prefill scored. The model reads the cache through ``"oscar"`` (Numba on CPU when
 installed, else the PyTorch body).
 
 The band: float32 sums in another order (another read path, thread count, CPU or library version) move a few
@@ -17,8 +17,6 @@ why in its commit.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -27,6 +25,7 @@ import hf_kvint2  # noqa: F401  (registers "oscar")
 from hf_kvint2 import OscarCache, OscarScaledCache
 from hf_kvint2.evaluation import EVAL_TEXT, encode, eval_windows, load_text
 from hf_kvint2.hub import GEMMA3_ARTIFACT_ID, SMOLLM2_ARTIFACT_ID
+from hf_kvint2.perplexity import CacheMethod, chunked_perplexity
 
 # One intra-op thread: on a busy 2-core machine two threads per forward spin against each other (several times
 # slower); the perplexities are the same within the band either way.
@@ -51,14 +50,10 @@ CACHES = {
 }
 
 
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, cache) -> float:
-    out = model(ids[:, :PREFILL], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    logits = [out.logits[0, -1:]]
-    for start in range(PREFILL, WINDOW, CHUNK):
-        logits.append(model(ids[:, start:start + CHUNK], past_key_values=cache, use_cache=True).logits[0])
-    logp = torch.log_softmax(torch.cat(logits)[:-1].float(), dim=-1)  # the window's last token predicts nothing
-    return math.exp(-logp.gather(-1, ids[0, PREFILL:, None]).double().mean().item())
+def perplexity(model, ids: torch.Tensor, make_cache) -> float:
+    """The library's protocol (the quality harness's) through one cache."""
+    method = CacheMethod("cache", "cache", make_cache)
+    return chunked_perplexity(model, ids, [method], PREFILL, CHUNK, progress=False)["cache"].perplexity
 
 
 def _window(tokenizer) -> torch.Tensor:
@@ -89,7 +84,7 @@ def bundled(request):
 @pytest.mark.parametrize("model_name,cache_name", list(EXPECTED))
 def test_perplexity_within_band(bundled, model_name, cache_name):
     model, ids, artifact = bundled(model_name)
-    got = perplexity(model, ids, CACHES[cache_name](model.config, artifact))
+    got = perplexity(model, ids, lambda config: CACHES[cache_name](config, artifact))
     want = EXPECTED[model_name, cache_name]
     assert abs(got / want - 1) <= BAND, (
         f"{model_name} with {cache_name}: perplexity {got:.4f}, recorded {want:.4f} (band +-{BAND:.1%}; "
