@@ -134,7 +134,7 @@ class LayerStep(_Step):
         segments through :func:`~hf_kvint2.read_path.attend_segments`. ``attention_mask``: the model's mask over the
         step's tokens (SDPA's conventions) or None (then ``is_causal``: the queries are the step's last Lq tokens).
         Returns [B, Hq, Lq, D]."""
-        layer, total = self.layer, self.seq_len
+        total = self.seq_len
         lq = query.shape[2]
         mask = None
         if attention_mask is not None or is_causal:
@@ -142,9 +142,9 @@ class LayerStep(_Step):
         # With gradients enabled for the query: the differentiable PyTorch body reader (the body's codes are data,
         # with no gradient; README).
         backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
-        key_body, value_body = layer.key_body.read(self.body_tokens), layer.value_body.read(self.body_tokens)
-        return attend_segments(query, [(self.sink_k, self.sink_v)], key_body, value_body, [(self.tail_k, self.tail_v)],
-                               scaling, backend, mask, fused_dense=True)
+        # The body views the update took (not the layer's, which an offloading cache has moved away by now).
+        return attend_segments(query, [(self.sink_k, self.sink_v)], self.key_body, self.value_body,
+                               [(self.tail_k, self.tail_v)], scaling, backend, mask, fused_dense=True)
 
 
 class StaticStep(_Step):

@@ -70,8 +70,8 @@ def reading_with(model, path: str, body: backends.BodyBackend = REFERENCE):
         if path in ("reference", "portable"):
             mp.setattr(steps, "select_body_partial", lambda *a, **k: body)
             mp.setattr(read_path, "_fused_cpu_eligible", lambda q, k: False)
-            mp.setattr(static_layer, "body_partial_blocked",
-                       lambda *a, block_tokens=None, **k: read_path.reference_body_partial(*a, **k))
+            mp.setattr(static_layer.StaticOscarLayer, "body_backend", read_path.BodyBackend(
+                body.name, None, lambda: True, lambda *a, block_tokens=None, **k: body.run(*a, **k)))
         else:
             chosen = _backend(path)
             mp.setattr(steps, "select_body_partial", lambda *a, **k: chosen)
