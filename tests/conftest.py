@@ -13,6 +13,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``make test`` runs two workers) each worker gets its share of the cores as intra-op threads:
+# two workers with every core each would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 TINY_VOCAB = 128
 
