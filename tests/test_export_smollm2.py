@@ -1,9 +1,9 @@
-"""SmolLM2-135M with the shipped calibration, exported with torch.export and to ONNX, against eager execution of
-the same static cache: the exported program bit for bit (a promise: export changes no result), ONNX Runtime within
-1e-4 (another runtime, its own kernels).
+"""SmolLM2-135M with the shipped calibration, exported with torch.export, against eager execution of the same static
+cache: bit for bit (a promise: export changes no result).
 
-torch.compile of the 30-layer step takes ~10 minutes on a 2-core CPU, so it is measured by
-``benchmarks/export_smollm2.py`` (README "Export"), not here; the tiny-model tests compile in CI.
+torch.compile of the 30-layer step takes ~10 minutes on a 2-core CPU and its ONNX export ~3 minutes, so those two
+are measured on SmolLM2 by ``benchmarks/export_smollm2.py`` (docs/export.md, within 1e-4 of eager), not here; the
+tiny-model tests (tests/test_export.py) compile and run ONNX Runtime in CI.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 import hf_kvint2  # noqa: F401  (registers "oscar")
 from hf_kvint2 import OscarCache
-from hf_kvint2.export import OscarExportableModule, export_decoder, export_onnx, onnx_step
+from hf_kvint2.export import OscarExportableModule, export_decoder
 from hf_kvint2.hub import SMOLLM2_ARTIFACT_ID
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,6 @@ TOL = 1e-4
 # 64 sink + 256 recent tokens at full precision, the rest of the prompt (280+ tokens) in the INT2 body.
 PROMPT, STEPS, BLOCK = 600, 16, 128
 MAX_LEN = PROMPT + STEPS
-ONNX_STEPS = 8  # ONNX Runtime steps checked (each ~1 s per 100 positions on 2 cores); the program checks all
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +64,3 @@ def test_smollm2_exported_program_matches_eager(setup):
         for i, t in enumerate(range(PROMPT, PROMPT + STEPS)):  # runs freely from the prefilled cache
             got = step(input_ids=ids[:, t:t + 1], cache_position=torch.tensor([t]))
             assert torch.equal(got, eager[i]), (t, (got - eager[i]).abs().max().item())
-
-
-def test_smollm2_onnx_runtime_matches_eager(setup, tmp_path):
-    ort = pytest.importorskip("onnxruntime", reason="pip install 'hf-kvint2[export]'")
-    model, make_cache, _, ids, states, eager = setup
-    spec = export_onnx(model, tmp_path / "decoder.onnx", make_cache(), max_cache_len=MAX_LEN, attention_block=BLOCK)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(spec.path, options, providers=["CPUExecutionProvider"])
-    worst = 0.0
-    for i, t in enumerate(range(PROMPT, PROMPT + ONNX_STEPS)):  # each from the eager state (the acceptance check)
-        feeds = {n: s.numpy() for n, s in zip(spec.state_names, states[i])}
-        logits, _ = onnx_step(session, spec, feeds, ids[:, t:t + 1].numpy(), t)
-        worst = max(worst, float(abs(logits - eager[i].numpy()).max()))
-    assert worst < TOL, worst

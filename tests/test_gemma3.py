@@ -9,7 +9,6 @@ or per-token key groups in any rotation, spread those channels' range over the c
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -98,28 +97,23 @@ def test_settled_key_layout_is_redone_after_reset():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
 def test_gemma3_270m_quality_short():
-    """Bundled Gemma 3 270M (``make setup`` installs it), the quality protocol shortened to 768 tokens of Emma
-    (prefill 512, chunks of 64): OScaR within 10% and uncalibrated OSCAR within 20% of full precision."""
+    """Bundled Gemma 3 270M (``make setup`` installs it) through the quality harness's protocol on 768 tokens of
+    Emma (prefill 512, chunks of 64, the "oscar" attention): OScaR within 10% and uncalibrated OSCAR within 20% of
+    full precision."""
     from hf_kvint2.evaluation import EVAL_TEXT, encode, eval_windows, load_text
     from hf_kvint2.models import load_gemma3
+    from hf_kvint2.perplexity import CacheMethod, chunked_perplexity
 
-    model, tokenizer = load_gemma3(attn_implementation="sdpa")
+    model, tokenizer = load_gemma3(torch.float32, attn_implementation="oscar")
     assert type(model).__name__ == "Gemma3ForCausalLM"
     ids = eval_windows(encode(tokenizer, load_text(EVAL_TEXT)), 1, 768)
-
-    @torch.no_grad()
-    def perplexity(cache) -> float:
-        out = model(ids[:, :512], past_key_values=cache, logits_to_keep=1)
-        logp = [torch.log_softmax(out.logits[0, -1:], -1)]
-        for s in range(512, 768, 64):
-            logp.append(torch.log_softmax(model(ids[:, s:s + 64], past_key_values=cache).logits[0], -1))
-        logp = torch.cat(logp)[:-1]
-        return math.exp(-logp.gather(-1, ids[0, 512:, None]).mean().item())
-
-    fp = perplexity(DynamicCache(config=model.config))
-    scaled = perplexity(OscarScaledCache(config=model.config))
-    oscar = perplexity(OscarCache(config=model.config))
+    methods = [CacheMethod("fp", "DynamicCache", lambda c: DynamicCache(config=c)),
+               CacheMethod("scaled", "OscarScaledCache", lambda c: OscarScaledCache(config=c)),
+               CacheMethod("oscar", "OscarCache", lambda c: OscarCache(config=c))]
+    result = chunked_perplexity(model, ids, methods, prefill=512, chunk=64, progress=False)
+    fp, scaled, oscar = (result[m.key].perplexity for m in methods)
     assert scaled < 1.10 * fp and oscar < 1.20 * fp, (fp, scaled, oscar)
 
 
