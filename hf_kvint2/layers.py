@@ -261,7 +261,10 @@ class OscarLayer(CacheLayerMixin):
         n_recent = self.recent_k.shape[-2]
         overflow = n_recent + new_k.shape[-2] - self.recipe.recent_tokens
         if overflow > 0 and self.key_basis_open and self.recipe.key.axis == "token" and not tracing():
-            self._settle_keys(self._leading(self.recent_k, new_k, overflow))  # may switch to per-channel groups
+            # decided on at least one group of tokens (a group's range needs them): after a short prompt the first
+            # overflow is a few tokens, so the window's next ones are read too (the decision is made only once)
+            count = min(max(overflow, self.key_body.codec.group), n_recent + new_k.shape[-2])
+            self._settle_keys(self._leading(self.recent_k, new_k, count))  # may switch to per-channel groups
         n = self._whole_blocks(overflow)  # after the settling: it may change the demotion block
         if n <= 0:
             self._append_recent(new_k, new_v)
@@ -365,8 +368,8 @@ class OscarLayer(CacheLayerMixin):
     def _settle_keys(self, keys: torch.Tensor) -> None:
         """Uncalibrated keys, before the first demotion: the key codec of this layer from ``keys``
         (:func:`~hf_kvint2.key_basis.settled_key_codec`). Per-token keys are decided on all the tokens leaving the
-        recent window, before the demotion block is known (a switch to per-channel groups changes it); per-channel
-        keys on the tokens of the first demotion."""
+        recent window, and at least one group of the oldest tokens held, before the demotion block is known (a switch
+        to per-channel groups changes it); per-channel keys on the tokens of the first demotion."""
         codec, self.key_range_spread = settled_key_codec(self.key_body.codec, keys)
         if codec is self.key_body.codec:
             return
