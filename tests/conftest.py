@@ -15,8 +15,10 @@ if not torch.cuda.is_available():
 
 # Under pytest-xdist (``make test`` runs two workers) each worker gets its share of the cores as intra-op threads:
 # two workers with every core each would spin against each other.
+# (Tests that need two threads set them: test_cpu_kernels.)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 TINY_VOCAB = 128

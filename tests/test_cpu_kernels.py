@@ -202,12 +202,22 @@ def _columns(add):
 TOL = {"atol": 5e-5, "rtol": 1e-5}
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_kernel_matches_the_reference(d):
+@pytest.fixture
+def intra_op_threads():
+    """``intra_op_threads(n)``: run the rest of the test on n intra-op threads (the kernels use as many)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("d,threads", [(64, 1), (64, 2), (128, 1), (256, 2)])
+def test_kernel_matches_the_reference(d, threads, intra_op_threads):
     """Body partial (body_attention vs reference_body_partial) and whole-layer step (layer_step_attention vs
     attend_segments with the reference body), every layout, batch 1 and 8 (GQA 3: three query rows per KV head),
     a decode step without a mask and a 5-token chunk with a bool mask over sink, body and recent tokens, the
-    body in one split and in splits of 256 tokens (whole per-channel groups)."""
+    body in one split and in splits of 256 tokens (whole per-channel groups); on one thread and on two (the
+    parallel regions' work split between threads)."""
+    intra_op_threads(threads)
     gen = torch.Generator().manual_seed(d)
     heads, groups, scaling = 2, 3, d ** -0.5
     for name, (key_layout, value_layout, calibrated) in _layouts(d).items():
