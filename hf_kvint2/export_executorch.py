@@ -147,6 +147,55 @@ def _floor_remainders(graph_module: torch.fx.GraphModule):
     return PassResult(graph_module, changed)
 
 
+def _schedule_near_use(graph_module: torch.fx.GraphModule):
+    """Reorder a (functional, edge-dialect) graph so that each operator runs just before the first one that needs
+    it: a depth-first walk back from the outputs that visits an operator's deepest input first (the one behind the
+    longest chain of operators), so a short side chain (a layer's write path and the float codes it gathers from
+    buffers alone) comes right before its use and not at the start of the step.
+
+    Why: delegating the linear layers re-sorts the graph (ExecuTorch's partitioner, a breadth-first topological
+    sort), which pulls every layer's buffer-only computations to the front; the memory planner must then keep
+    each layer's gathered float codes alive until that layer's attention runs, one block of every layer at once
+    (12.6 MB per SmolLM2 layer at ``max_cache_len`` 8192, where the ordering a decoder is written in needs one). A
+    topological order that only moves operators keeps the graph's meaning; it runs before the in-place rewrite
+    of the buffer writes, which then checks them against this order."""
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    graph = graph_module.graph
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    depth = {}
+    for n in nodes:
+        depth[n] = 1 + max((depth[a] for a in n.all_input_nodes), default=0)
+    movable = {n for n in nodes if n.op == "call_function"}
+
+    def inputs(n):  # deepest first; equal depths in the graph's order
+        return sorted((a for a in n.all_input_nodes if a in movable), key=lambda a: (-depth[a], index[a]))
+
+    order, placed = [], set()
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    stack = [(output, iter(inputs(output)))]
+    while stack:  # post-order without recursion (graphs have tens of thousands of nodes)
+        node, pending = stack[-1]
+        nxt = next((a for a in pending if a not in placed), None)
+        if nxt is None:
+            stack.pop()
+            if node is not output:
+                placed.add(node)
+                order.append(node)
+        else:  # (an operator being walked cannot be reached again from its own inputs: the graph is acyclic)
+            stack.append((nxt, iter(inputs(nxt))))
+    # operators no output depends on (assertions) keep their relative order, after everything they could read
+    order += [n for n in nodes if n in movable and n not in placed]
+    changed = any(a is not b for a, b in zip(order, [n for n in nodes if n in movable]))
+    if changed:
+        for n in order:
+            output.prepend(n)
+        graph.lint()
+        graph_module.recompile()
+    return PassResult(graph_module, changed)
+
+
 def _lower(program: torch.export.ExportedProgram, metadata: dict, xnnpack: bool):
     """ATen program -> ExecuTorch program manager: XNNPACK for the linear layers, portable kernels for the rest,
     in-place buffer writes, the mutable buffers named (the runtime can show them)."""
@@ -160,10 +209,14 @@ def _lower(program: torch.export.ExportedProgram, metadata: dict, xnnpack: bool)
         from executorch.backends.xnnpack.partition.config.gemm_configs import LinearConfig
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-        partitioner = [XnnpackPartitioner(configs=[LinearConfig])]
+        # one partition per linear layer (per_op_mode): merging partitions (CapabilityBasedPartitioner) first builds
+        # each node's set of every node downstream of it, memory quadratic in the graph's size: over 8 GB for the
+        # ~20k nodes of a 30-layer INT2 step, whose write and read paths are ~600 portable operators per layer
+        partitioner = [XnnpackPartitioner(configs=[LinearConfig], per_op_mode=True)]
     edge = to_edge_transform_and_lower(
         program, partitioner=partitioner, transform_passes=[_floor_remainders], constant_methods=metadata,
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
+    edge = edge.transform([_schedule_near_use])
     return edge.to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True, emit_mutable_buffer_names=True))
 
 

@@ -86,6 +86,29 @@ def test_integer_remainder_follows_pytorch_in_the_program():
         assert torch.equal(a, b)
 
 
+def test_operators_are_scheduled_next_to_their_use():
+    """A chain that reads only an input (as each layer's buffer reads once XNNPACK's partitioner has re-sorted the
+    graph) runs just before the operator that uses it, after the long chain; the graph computes the same."""
+    from hf_kvint2.export_executorch import _schedule_near_use
+
+    class Chains(torch.nn.Module):
+        def forward(self, x, b):
+            side = torch.exp(b * 2)  # needs only b: written first, used last
+            h = x
+            for _ in range(3):
+                h = torch.tanh(h + 1)
+            return h * side
+
+    gm = torch.fx.symbolic_trace(Chains())
+    x, b = torch.randn(4), torch.randn(4)
+    want = gm(x, b)
+    assert _schedule_near_use(gm).modified
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert names[-3:] == ["mul", "exp", "mul_1"] and names[0] == "add"
+    assert torch.equal(gm(x, b), want)
+    assert not _schedule_near_use(gm).modified  # already in that order
+
+
 # ------------------------------------------------------------------------------------------------ the program
 def test_program_generates_as_its_eager_twin(program):
     """Prompt token by token, then greedy: the same tokens as the eager module fed the same way, logits within TOL
