@@ -22,9 +22,9 @@ Parts (``--parts``, comma-separated):
 
 Writes ``benchmarks/results/executorch_decode.json`` (speedlib's ``{meta, results}``; each part merged into it) and
 ``executorch_decode.png``.
-Time on the 2-core development machine: build about an hour per SmolLM2 program at 8192 (torch.export, then
-ExecuTorch's passes over ~20k nodes); equality and speed minutes to an hour (a SmolLM2 step at max_cache_len 8192
-reads all 8192 slots).
+Time on the 2-core development machine, one thread: building SmolLM2's INT2 program at 8192 about 15 minutes
+(torch.export, then ExecuTorch's passes over ~20k nodes; 3.9 GB peak), the float one about 3 minutes; equality
+minutes per model (a step computes over every slot of its program); memory and speed a few minutes.
 """
 
 from __future__ import annotations
@@ -322,7 +322,8 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length of the token comparison")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens compared after the prompt")
     p.add_argument("--speed-steps", type=int, default=8, help="timed rounds per position (one step per program)")
-    p.add_argument("--profile", action="store_true", help="also one ETDump profile per SmolLM2 program")
+    p.add_argument("--profile", action="store_true",
+                   help="also one ETDump profile per SmolLM2 program (ExecuTorch's Inspector needs pandas)")
     p.add_argument("--programs", default="", help="comma-separated program names to build / compare (default all)")
     add_shared_options(p, out_name="executorch_decode.json", threads_default=1)
     args = p.parse_args()
