@@ -35,8 +35,8 @@ def mask_to_additive(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def step_mask(model_mask: torch.Tensor | None, queries: range | torch.Tensor, keys: range | torch.Tensor,
-                   device, *, valid: torch.Tensor | None = None, window: int | None = None,
-                   causal: bool = True) -> torch.Tensor | None:
+                device, *, valid: torch.Tensor | None = None, window: int | None = None,
+                causal: bool = True) -> torch.Tensor | None:
     """The additive fp32 mask ``[B or 1, 1, Lq, n]`` of one attention step (SDPA's conventions), or None where no
     key is masked: the one place masks are built.
 
@@ -198,19 +198,20 @@ def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, valu
     def columns(n: int):
         return None if mask is None else mask[..., col:col + n]
 
-    for k, v in before:
-        if k.shape[2]:
-            parts.append(dense_partial(qf, k, v, scaling, columns(k.shape[2]), fused_dense))
-        col += k.shape[2]
+    def attend_dense(segments):
+        nonlocal col
+        for k, v in segments:
+            if k.shape[2]:
+                parts.append(dense_partial(qf, k, v, scaling, columns(k.shape[2]), fused_dense))
+            col += k.shape[2]
+
+    attend_dense(before)
     kc, vc = key_body.codec, value_body.codec
     out_rot, lse = backend.run(qf @ kc.rotation, key_body, value_body, scaling=scaling,
                                key_mean_logits=kc.mean_logits(qf, groups), mask=columns(key_body.tokens), **options)
     parts.append((vc.unrotate(out_rot, groups), lse))
     col += key_body.tokens
-    for k, v in after:
-        if k.shape[2]:
-            parts.append(dense_partial(qf, k, v, scaling, columns(k.shape[2]), fused_dense))
-        col += k.shape[2]
+    attend_dense(after)
     out, _ = merge_partials(parts)
     return out.to(query.dtype)
 
@@ -274,4 +275,5 @@ def reference_body_partial(q_rot, key_body, value_body, *, scaling, key_mean_log
 
 
 TORCH_BODY = BodyBackend("torch", None, lambda: True, body_partial_blocked)
-REFERENCE_BODY = BodyBackend("reference", None, lambda: True, reference_body_partial)  # what every backend is tested against
+# what every backend is tested against
+REFERENCE_BODY = BodyBackend("reference", None, lambda: True, reference_body_partial)

@@ -61,8 +61,8 @@ def body_len(tokens_past_sink, recent_tokens: int, block: int):
 
 class FixedShapeLayerMixin:
     """What every fixed-shape (static, exportable) layer does alike: beam reordering in place, and clear refusals
-    of the batch changes and offloading its preallocated buffers cannot follow. Needs ``state_tensors()``,
-    ``is_initialized``, ``batch_size`` and ``_name``."""
+    of the batch changes and offloading its preallocated buffers cannot follow, and the model's mask read over its
+    slots. Needs ``state_tensors()``, ``is_initialized``, ``batch_size``, ``max_cache_len`` and ``_name``."""
 
     def _init_fixed_shape_state(self) -> None:
         """The position counter and the flags that hf_kvint2.export and the "oscar" attention set."""
@@ -71,6 +71,15 @@ class FixedShapeLayerMixin:
         self.bound = False  # set by hf_kvint2.export.bind_static_cache: update returns the chunk itself
         self.functional = False  # writes out of place (ONNX: state as graph inputs/outputs)
         self._ring_snapshot = None
+
+    def _mask_over_slots(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The model's mask over the ``max_cache_len`` absolute positions the cache's slots can hold (None: none)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.shape[-1] < self.max_cache_len:
+            raise ValueError(f"{self._name}: the attention mask has {attention_mask.shape[-1]} columns, expected "
+                             f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
+        return attention_mask[..., :self.max_cache_len]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder batch rows in place (buffers keep their addresses)."""
@@ -384,9 +393,6 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
         s, r, n = self.sink, self.ring_size, self.body_capacity
         dev = query.device
         p0, b1 = self._step_geometry(lq)
-        if attention_mask is not None and attention_mask.shape[-1] < self.max_cache_len:
-            raise ValueError(f"{self._name}: the attention mask has {attention_mask.shape[-1]} columns, expected "
-                             f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
         # The position each column holds, and whether it holds one the step may read: the sink's past slots, the
         # body's stored tokens, the ring's past slots not yet in the body (slot i holds the newest past position
         # j with (j - s) % r == i), then the chunk.
@@ -398,8 +404,7 @@ class StaticOscarLayer(FixedShapeLayerMixin, CacheLayerMixin):
         positions = torch.cat([sink_pos, body_pos, ring_pos, chunk_pos])
         valid = torch.cat([sink_pos < p0, (body_pos < s + b1) & (body_pos < p0),
                            (ring_pos >= s + b1) & (ring_pos >= s), torch.ones(lq, dtype=torch.bool, device=dev)])
-        mask = step_mask(None if attention_mask is None else attention_mask[..., :self.max_cache_len], chunk_pos,
-                         positions, dev, valid=valid)
+        mask = step_mask(self._mask_over_slots(attention_mask), chunk_pos, positions, dev, valid=valid)
         ring_k, ring_v = self._ring_snapshot if self._ring_snapshot is not None else (self.ring_k, self.ring_v)
         before = [(self.sink_k, self.sink_v)] if s else []
         return attend_segments(query, before, self.body("key"), self.body("value"),

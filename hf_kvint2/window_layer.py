@@ -249,12 +249,9 @@ class StaticWindowLayer(FixedShapeLayerMixin, CacheLayerMixin):
         lq = query.shape[2]
         dev = query.device
         ring_k, ring_v, pos, valid = self._past(lq)
-        if attention_mask is not None and attention_mask.shape[-1] < self.max_cache_len:
-            raise ValueError(f"{self._name}: the attention mask has {attention_mask.shape[-1]} columns, expected "
-                             f"max_cache_len={self.max_cache_len} (static cache masks cover every slot).")
         chunk_pos = self.cumulative_length - lq + torch.arange(lq, device=dev)
-        mask = step_mask(None if attention_mask is None else attention_mask[..., :self.max_cache_len], chunk_pos,
-                         torch.cat([pos, chunk_pos]), dev, window=self.sliding_window,
+        mask = step_mask(self._mask_over_slots(attention_mask), chunk_pos, torch.cat([pos, chunk_pos]), dev,
+                         window=self.sliding_window,
                          valid=torch.cat([valid, torch.ones(lq, dtype=torch.bool, device=dev)]))
         keys = torch.cat([ring_k.to(key_states.dtype), key_states], dim=2)
         values = torch.cat([ring_v.to(value_states.dtype), value_states], dim=2)

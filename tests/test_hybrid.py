@@ -289,6 +289,24 @@ def test_model_generate_with_static_hybrid_cache(model, attn):
     assert report["layers"][0]["full_precision"] == 2 * 2 * WINDOW * 64 * 4  # batch 2, K and V, ring of 32 slots
 
 
+def test_a_mask_narrower_than_the_static_slots_is_refused():
+    """Both fixed-shape layers read the model's mask over all their positions: a mask with fewer columns than
+    ``max_cache_len`` is refused, naming both."""
+    from hf_kvint2.static_layer import StaticOscarLayer
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
+    q = torch.randn(1, 2, 4, 64, generator=g)
+    short = torch.ones(1, 1, 4, 32, dtype=torch.bool)
+    for layer in (StaticWindowLayer(max_cache_len=64, sliding_window=8, layer_idx=0),
+                  StaticOscarLayer(OscarScaledCache()._recipe_for_layer(0), 64, 0)):
+        layer.bound = True
+        stored = layer.update(k, v)
+        with pytest.raises(ValueError, match="32 columns, expected max_cache_len=64"):
+            layer.attend(q, *stored, short, 0.25)
+        assert layer.attend(q, *stored, torch.ones(1, 1, 4, 64, dtype=torch.bool), 0.25).shape == q.shape
+
+
 def test_static_window_layer_reads_the_window(model):
     """The ring against a direct computation: a query at position p sees p - window + 1 .. p, nothing older."""
     layer = StaticWindowLayer(max_cache_len=64, sliding_window=8, layer_idx=0)
