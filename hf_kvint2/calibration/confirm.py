@@ -25,9 +25,9 @@ def confirm_range_clips(choices: Sequence[LayerChoice | None], model, held_ids: 
     attention looks for (Gemma 3's first full-attention layer) the error falls while perplexity rises by several
     percent. So the windows are decoded by the evaluation's chunked protocol (:mod:`hf_kvint2.perplexity`: prefill
     a quarter, chunks of a sixteenth) through the whole calibrated cache (a ``cache_type``, e.g. ``OscarCache``,
-    built from the choices; its body read by the PyTorch backend), once as fitted and once per narrowed stream with that stream's full range; a stream
-    keeps its narrowed range only if its full range gives a higher loss. Returns the choices and what was measured
-    (None: nothing narrowed).
+    built from the choices; its body read by the PyTorch backend), once as fitted and once per narrowed stream with
+    that stream's full range; a stream keeps its narrowed range only if its full range gives a higher loss. Returns
+    the choices and what was measured (None: nothing narrowed).
     """
     streams = [(i, kind) for i, c in enumerate(choices) if c is not None for kind in ("key", "value")
                if getattr(c, kind).layout.range_clip is not None]

@@ -287,8 +287,10 @@ def calibration_from_choices(choices: Sequence[LayerChoice | None], info: dict |
         layout_names=each(lambda c: f"key={c.key.name} value={c.value.name}"), info=dict(info or {}))
 
 
-def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens, recent_tokens: int = OSCAR_DEFAULTS.recent_tokens,
-                          group_size: int = OSCAR_DEFAULTS.group_size, scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype) -> OscarSettings:
+def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens,
+                          recent_tokens: int = OSCAR_DEFAULTS.recent_tokens,
+                          group_size: int = OSCAR_DEFAULTS.group_size,
+                          scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype) -> OscarSettings:
     """The windows and group size calibrated with, and each layer's chosen clip ratios (the reference clips for
     layers not calibrated)."""
     return OscarSettings(sink_tokens=sink_tokens, recent_tokens=recent_tokens, group_size=group_size,
@@ -298,7 +300,8 @@ def settings_from_choices(choices: Sequence[LayerChoice | None], *, sink_tokens:
 
 
 def fit_layers(data: CalibrationData, *, layouts=LAYOUTS, centering=CENTERING, fit_clip: bool = True,
-               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=FULL_RANGE, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens, recent_tokens: int = OSCAR_DEFAULTS.recent_tokens, group_size: int = OSCAR_DEFAULTS.group_size,
+               clip_grid=DEFAULT_CLIP_GRID, range_clip_grid=FULL_RANGE, sink_tokens: int = OSCAR_DEFAULTS.sink_tokens,
+               recent_tokens: int = OSCAR_DEFAULTS.recent_tokens, group_size: int = OSCAR_DEFAULTS.group_size,
                group_sizes: Sequence[int] | None = None, scale_dtype: torch.dtype = OSCAR_DEFAULTS.scale_dtype,
                progress: bool = True) -> list[LayerChoice | None]:
     """One :class:`LayerChoice` per layer, None for the layers without statistics (not calibrated)."""

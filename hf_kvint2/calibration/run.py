@@ -134,8 +134,9 @@ def fit_from_statistics(data: CalibrationData, config, *, fit_clip: bool = True,
     range_grid = DEFAULT_RANGE_CLIP_GRID if confirming else None
     if choices is None:
         choices = fit_layers(data, layouts=layouts, centering=centering, fit_clip=fit_clip, clip_grid=clip_grid,
-                             range_clip_grid=range_grid or FULL_RANGE, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
-                             group_size=group_size, group_sizes=sizes, scale_dtype=scale_dtype, progress=progress)
+                             range_clip_grid=range_grid or FULL_RANGE, sink_tokens=sink_tokens,
+                             recent_tokens=recent_tokens, group_size=group_size, group_sizes=sizes,
+                             scale_dtype=scale_dtype, progress=progress)
     allocation = None
     if sizes is not None:
         uniform = body_bits(choices, data.head_dim, scale_dtype)
