@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .model_config import layer_plan
-from .steps import DeferredKV
+from .steps import DeferredKV, PackedSteps
 
 ATTN_IMPLEMENTATION = "oscar"
 
@@ -52,6 +52,11 @@ def oscar_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     step = key.step
+    if isinstance(step, PackedSteps):  # several requests packed in one row (hf_kvint2.serving)
+        if unsupported:
+            raise ValueError(f"Continuous batching with INT2 pages does not support {', '.join(unsupported)}.")
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return step.attend(module, query, scaling).transpose(1, 2).contiguous(), None
     check_layer_type(step.layer, module)
     if step.body_tokens == 0 or unsupported or not isinstance(value, DeferredKV):
         # No INT2 tokens to read (early steps, fresh prefill) or a feature only SDPA has: plain SDPA on the view.

@@ -214,7 +214,7 @@ class OscarLayer(CacheLayerMixin):
             if layout.axis == "token" and d % group:
                 raise ValueError(f"head_dim={d} is not a multiple of the {kind} group size {group}; "
                                  f"use a group size dividing {d}.")
-            streams.append(QuantizedStream(StreamCodec(layout, group, rot, mean, r.scale_dtype, self.shard)))
+            streams.append(self._new_stream(kind, StreamCodec(layout, group, rot, mean, r.scale_dtype, self.shard)))
         self.key_body, self.value_body = streams
         self.key_basis_open = r.key_rotation is None
         empty = key_states.new_empty(b, h, 0, d)
@@ -280,6 +280,11 @@ class OscarLayer(CacheLayerMixin):
             rest = n - n_recent
             self._new_recent_buffers(self.recent_k[:, :, :0], self.recent_v[:, :, :0], new_k[:, :, rest:],
                                      new_v[:, :, rest:])
+
+    def _new_stream(self, kind: str, codec: StreamCodec) -> QuantizedStream:
+        """The store of the ``kind`` ("key" / "value") body: a growing :class:`QuantizedStream` (a layer whose body
+        lives elsewhere, e.g. in a serving engine's pages, returns a store with the same interface)."""
+        return QuantizedStream(codec)
 
     @staticmethod
     def _leading(recent: torch.Tensor, new: torch.Tensor, count: int) -> torch.Tensor:
@@ -373,7 +378,7 @@ class OscarLayer(CacheLayerMixin):
         codec, self.key_range_spread = settled_key_codec(self.key_body.codec, keys)
         if codec is self.key_body.codec:
             return
-        self.key_body = QuantizedStream(codec)
+        self.key_body = self._new_stream("key", codec)
         # per-token -> per-channel groups (the demotion block follows), or channel groups without token scaling
         if codec.layout != self.recipe.key:
             self.key_basis_open = False

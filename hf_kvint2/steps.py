@@ -21,6 +21,7 @@ import weakref
 
 import torch
 from torch.utils import _pytree as pytree
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .backends import select_body_partial
 from .quant import to_model_dtype, tracing
@@ -145,6 +146,46 @@ class LayerStep(_Step):
         # The body views the update took (not the layer's, which an offloading cache has moved away by now).
         return attend_segments(query, [(self.sink_k, self.sink_v)], self.key_body, self.value_body,
                                [(self.tail_k, self.tail_v)], scaling, backend, mask, fused_dense=True)
+
+
+class PackedSteps:
+    """One forward of one layer for several sequences packed along the token axis of one row (transformers'
+    continuous batching): ``parts`` = (first token, tokens, what the sequence's layer returned), where that is a
+    :class:`LayerStep` (a quantized layer) or ``(keys, values, window)`` (a sliding-window layer's full-precision
+    K/V, its window in tokens). Each sequence attends only to its own tokens, causally."""
+
+    __slots__ = ("__weakref__", "parts", "tokens")
+
+    def __init__(self, parts: list, tokens: int):
+        self.parts, self.tokens = parts, tokens
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens
+
+    def attend(self, module, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [1, Hq, tokens, D] -> [1, Hq, tokens, D]: each sequence's rows over its own step, the body read from
+        its codes (:meth:`LayerStep.attend`); while a sequence has no INT2 tokens, or in a sliding-window layer, SDPA
+        over its full-precision K/V, as the ``"oscar"`` attention of a cache of one sequence does."""
+        outs = []
+        for start, n, part in self.parts:
+            q = query[:, :, start:start + n]
+            if isinstance(part, LayerStep) and part.body_tokens:
+                outs.append(part.attend(q, None, scaling, True))
+                continue
+            if isinstance(part, LayerStep):
+                (k, v), window = part.materialize(), None
+                part.release()
+            else:
+                k, v, window = part
+            total = k.shape[2]
+            mask = None
+            if n != total or (window is not None and total > window):  # else SDPA's own causal mask is exact
+                mask = step_mask(None, range(total - n, total), range(total), q.device, window=window)
+                mask = mask.to(q.dtype) if q.dtype != torch.float32 else mask
+            out, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, is_causal=mask is None)
+            outs.append(out.transpose(1, 2))
+        return torch.cat(outs, dim=2)
 
 
 class StaticStep(_Step):

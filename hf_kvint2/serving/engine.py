@@ -1,0 +1,306 @@
+"""transformers' continuous batching with the full-attention layers' history in INT2 pages.
+
+The engine (``transformers.generation.continuous_batching``) schedules requests, cuts prefills into chunks, packs
+every scheduled request's tokens into one row of the model's forward and hands blocks of its cache to requests.
+Three of its pieces are replaced by subclasses, each the smallest one that holds the decision (transformers offers
+no hook for a cache format; docs/serving.md names the upstream hooks that would remove them):
+
+* :class:`Int2PageAllocator` (its full-attention allocator): a block is one request's INT2 pages of
+  ``page_tokens`` body tokens for every quantized layer (:mod:`hf_kvint2.serving.pages`); it builds no dense
+  read / write indices, since nothing is read back as full precision K/V.
+* :class:`OscarPagedAttentionCache` (its ``PagedAttentionCache``): keeps each live request's
+  :class:`RequestKV` (the same layers ``OscarCache`` builds: sink and recent window at full precision, the body in
+  the request's pages; sliding-window layers keep their window), admits a request only when a full-precision window
+  slot is free, and answers ``update`` per request, returning placeholders that carry the packed step
+  (:class:`~hf_kvint2.steps.PackedSteps`) to the ``"oscar"`` attention.
+* :class:`OscarBatchingManager` (its manager): runs the model with the ``"oscar"`` attention (the engine accepts
+  only its own attention names) and builds the cache above.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+from ..attention import ATTN_IMPLEMENTATION
+from ..layers import OscarLayer
+from ..model_config import QUANTIZED, LayerPlan
+from ..recipes import LayerRecipe
+from ..steps import DeferredKV, PackedSteps
+from ..window_layer import WindowLayer
+from .pages import PageArena, PagedBody, plan_stream
+
+# Page bytes are padded to a multiple of this (the engine's sector size is the lcm of the block bytes and 128).
+PAGE_ALIGN = 128
+# transformers versions whose continuous-batching internals these subclasses were written against and tested on.
+TESTED_TRANSFORMERS = ("5.25",)
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    """Refuse a transformers whose continuous-batching internals were not tested with these subclasses."""
+    if not any(version == v or version.startswith(v + ".") for v in TESTED_TRANSFORMERS):
+        raise RuntimeError(
+            f"hf_kvint2's continuous batching subclasses transformers' engine internals (PagedAttentionCache, its "
+            f"full-attention allocator, ContinuousBatchingManager), tested on transformers {', '.join(TESTED_TRANSFORMERS)}.x;"
+            f" this is transformers {version}. Install a tested version (pip install 'transformers=="
+            f"{TESTED_TRANSFORMERS[-1]}.*'), or use model.generate(cache=...) with one batch.")
+
+
+@dataclass
+class PagedLayout:
+    """What the engine's pieces share: the model's layer plan, each quantized layer's recipe, the page geometry, the
+    full-precision window slots and the budget split (see :func:`hf_kvint2.serving.plan_budget`)."""
+
+    plan: list[LayerPlan]
+    recipes: dict[int, LayerRecipe]
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_tokens: int
+    layer_regions: dict[int, tuple]
+    bytes_per_page: int
+    window_bytes: int  # full-precision bytes of one request's windows (every layer), at most
+    window_slots: int
+    num_blocks: int
+    window_dtype: torch.dtype | None = None
+
+    @property
+    def quantized_layers(self) -> list[int]:
+        return [i for i, p in enumerate(self.plan) if p.storage == QUANTIZED]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_page * len(self.quantized_layers)
+
+    @staticmethod
+    def regions(recipes: dict[int, LayerRecipe], heads: int, head_dim: int, page_tokens: int) -> tuple[dict, int]:
+        """Every quantized layer's (key, value) regions at its page's offset, and the bytes of a page: the largest
+        layer's (the engine's pages have one size), padded to ``PAGE_ALIGN`` so that the engine's sector (the lcm of
+        the block bytes and 128) is one block."""
+        ends = []
+        for recipe in recipes.values():
+            key = plan_stream(0, recipe, "key", heads, head_dim, page_tokens)
+            ends.append(plan_stream(key.end, recipe, "value", heads, head_dim, page_tokens).end)
+        bytes_per_page = -(-max(ends) // PAGE_ALIGN) * PAGE_ALIGN
+        out = {}
+        for slot, (idx, recipe) in enumerate(recipes.items()):
+            base = slot * bytes_per_page
+            key = plan_stream(base, recipe, "key", heads, head_dim, page_tokens)
+            out[idx] = (key, plan_stream(key.end, recipe, "value", heads, head_dim, page_tokens))
+        return out, bytes_per_page
+
+
+class PagedOscarLayer(OscarLayer):
+    """An :class:`~hf_kvint2.layers.OscarLayer` of one request whose key and value bodies are
+    :class:`~hf_kvint2.serving.pages.PagedBody` stores over the request's blocks."""
+
+    def __init__(self, recipe: LayerRecipe, layer_idx: int, arena: PageArena, block_ids: list[int]):
+        self.arena, self.block_ids = arena, block_ids
+        super().__init__(recipe, layer_idx)
+        self.fused_attention = True  # read by the "oscar" attention: update() returns the step's placeholders
+
+    def _new_stream(self, kind, codec):
+        return PagedBody(codec, self.arena, self.layer_idx, kind, self.block_ids)
+
+
+class RequestKV:
+    """One request's cache layers, by model layer index: a :class:`PagedOscarLayer` for each quantized layer, a
+    :class:`~hf_kvint2.window_layer.WindowLayer` for each sliding-window layer."""
+
+    def __init__(self, layout: PagedLayout, arena: PageArena, block_ids: list[int]):
+        self.layers = []
+        for idx, plan in enumerate(layout.plan):
+            if plan.storage == QUANTIZED:
+                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids))
+            else:
+                self.layers.append(WindowLayer(sliding_window=plan.window, storage_dtype=layout.window_dtype))
+
+
+class Int2PageAllocator(FullAttentionCacheAllocator):
+    """The engine's allocator for the quantized layers: blocks of INT2 pages (:mod:`hf_kvint2.serving.pages`).
+    Block tables, free lists and sectors are the engine's; no block is shared between requests (a request's codes
+    depend on its own key basis) and no dense index is built."""
+
+    supports_block_sharing = False
+    supports_block_table = False
+
+    def __init__(self, index: int, layout: PagedLayout, allow_block_sharing: bool):
+        self.layout = layout
+        self.head_dim, self.num_key_value_heads, self.cache_dtype = layout.head_dim, layout.heads, layout.dtype
+        self._before_cache_tensor_init(index=index, layer_indices=layout.quantized_layers,
+                                       tokens_per_page=layout.page_tokens, bytes_per_page=layout.bytes_per_page,
+                                       allow_block_sharing=False)
+
+    def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
+        self.bytes_per_sector = bytes_per_sector
+        self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
+        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
+        self.arena = PageArena(cache_tensor, self.bytes_per_block, self.layout.page_tokens, self.layout.heads,
+                               self.layout.head_dim, self.layout.recipes, self.layout.layer_regions)
+
+    def get_read_indices(self, request_id, past_length, query_length) -> list[int]:
+        return []
+
+    def get_write_indices(self, request_id, past_length, query_length) -> list[int]:
+        return []
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("INT2 pages are written by the request's layers (OscarPagedAttentionCache.update).")
+
+
+class OscarPagedAttentionCache(PagedAttentionCache):
+    """The engine's paged cache with the quantized layers in INT2 pages and each request's full-precision windows
+    in one of ``layout.window_slots`` slots (see the module docstring)."""
+
+    def __init__(self, *args, layout: PagedLayout, **kwargs):
+        self.layout = layout  # read by _create_allocator, which the engine's __init__ calls
+        super().__init__(*args, **kwargs)
+        self.requests: dict[str, RequestKV] = {}
+        self.peak_requests = 0
+        self._batch: list[tuple[str, int, int]] = []  # (request id, past length, query length) of the next forward
+        self._packed: list[tuple[RequestKV, int, int]] | None = None  # the forward's requests, token offsets
+
+    def _create_allocator(self, continuous_batching_config, attn_type, index, layer_indices, num_key_value_heads):
+        return Int2PageAllocator(index, self.layout, allow_block_sharing=False)
+
+    @property
+    def allocator(self) -> Int2PageAllocator:
+        return next(iter(self.cache_allocators.values()))
+
+    @property
+    def free_window_slots(self) -> int:
+        return self.layout.window_slots - len(self.requests)
+
+    def free_pages(self) -> int:
+        """Blocks not held by any request (free blocks of the allocator's sectors and whole free sectors)."""
+        allocator = self.allocator
+        return self.pool.count_free_blocks(allocator.index) + self.pool.num_free_sectors * allocator.blocks_per_sector
+
+    # ---------------------------------------------------------------- admission and release
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        new = state.request_id not in self.requests
+        if new and self.free_window_slots <= 0:
+            return False
+        if not super().can_store_request_tokens(state, request_len, dry_run):
+            return False
+        if new and not dry_run:
+            block_ids = self.allocator.block_table[state.request_id]
+            self.requests[state.request_id] = RequestKV(self.layout, self.allocator.arena, block_ids)
+            self.peak_requests = max(self.peak_requests, len(self.requests))
+        return True
+
+    def count_storable_requests(self, list_blocks_needed) -> int:
+        return min(super().count_storable_requests(list_blocks_needed), max(self.free_window_slots, 0))
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        super().free_blocks(request_id, no_cache)
+        self.requests.pop(request_id, None)
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        super().free_all_requests(clear_ledgers)
+        self.requests.clear()
+
+    def prepare_fork_request(self, *args, **kwargs):
+        raise NotImplementedError("Forking a request (num_return_sequences > 1 or parallel sampling) is not supported "
+                                  "with INT2 pages: run one sequence per request.")
+
+    # ---------------------------------------------------------------- the forward
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        # called once per scheduled request, in the order of the packed row, while the engine prepares a forward
+        self._batch.append((request_id, past_length, query_length))
+        super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
+
+    def _requests_of_forward(self, tokens: int) -> list[tuple[RequestKV, int, int]]:
+        """(request layers, first token, tokens) of every request in the forward's packed row: the batch the engine
+        prepared last, taken at the forward's first layer."""
+        if self._batch:
+            packed, start = [], 0
+            for request_id, _, n in self._batch:
+                packed.append((self.requests[request_id], start, n))
+                start += n
+            self._packed, self._batch = packed, []
+        packed = self._packed
+        if packed is None or sum(n for _, _, n in packed) != tokens:
+            raise RuntimeError(f"The engine's forward has {tokens} tokens, but the requests it scheduled have "
+                               f"{None if packed is None else sum(n for _, _, n in packed)}: this transformers "
+                               "version prepares batches differently from the tested ones.")
+        return packed
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None):
+        """Store each request's new K/V [1, H, tokens, D] in its layers; return placeholders that carry the packed
+        step to the ``"oscar"`` attention."""
+        parts = []
+        for request, start, n in self._requests_of_forward(key_states.shape[2]):
+            layer = request.layers[layer_idx]
+            keys, values = layer.update(key_states[:, :, start:start + n], value_states[:, :, start:start + n])
+            window = layer.sliding_window if isinstance(layer, WindowLayer) else None
+            parts.append((start, n, keys.step if isinstance(keys, DeferredKV) else (keys, values, window)))
+        return DeferredKV.pair(PackedSteps(parts, key_states.shape[2]), like=key_states)
+
+
+class OscarBatchingManager(continuous_api.ContinuousBatchingManager):
+    """transformers' ``ContinuousBatchingManager`` running the ``"oscar"`` attention over
+    :class:`OscarPagedAttentionCache`."""
+
+    def __init__(self, model, generation_config, continuous_batching_config, workload_hints=None, *,
+                 layout: PagedLayout):
+        self.layout = layout
+        config = copy.copy(continuous_batching_config)
+        config.page_size = layout.page_tokens
+        config.num_blocks = layout.num_blocks
+        config.max_blocks_per_request = 0  # no block-table decode path: the "oscar" attention reads the pages
+        config.allow_block_sharing = False
+        config.use_async_batching = False  # one batch prepared at a time (the cache reads the batch it prepared)
+        config.use_cuda_graph = False
+        config.cpu_offload_space = 0  # preempted requests are recomputed: their windows are not in the arena
+        num_return = getattr(generation_config, "num_return_sequences", None) or 1
+        if num_return > 1:
+            raise ValueError(f"num_return_sequences={num_return}: forking a request is not supported with INT2 pages; "
+                             "submit the prompt that many times instead.")
+        super().__init__(model, generation_config, config, workload_hints)
+
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        original = model.config._attn_implementation
+        if original != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            self._original_attn_impl = original
+
+    def _create_batch_processor(self):
+        batch_processor = getattr(self, "batch_processor", None)
+        if isinstance(batch_processor, continuous_api.ContinuousBatchProcessor):
+            batch_processor.reset()
+            return batch_processor
+        text_config = self.model.config.get_text_config()
+        # The engine groups layers by attention type; every layer is "full" for it: sliding-window layers keep their
+        # windows in the requests' layers (accounted in the window slots), not in engine pages.
+        engine_config = copy.copy(text_config)
+        engine_config.layer_types = ["full_attention"] * text_config.num_hidden_layers
+        supports_logits_to_keep = getattr(self.model, "_supports_logits_to_keep", None)
+        cache = OscarPagedAttentionCache(
+            config=engine_config, continuous_batching_config=self.continuous_batching_config,
+            device=self.model.device, distributed_helper=self.distributed_helper, dtype=self.model.dtype,
+            model_supports_logits_to_keep=callable(supports_logits_to_keep) and supports_logits_to_keep(),
+            layout=self.layout)
+        self._use_prefix_sharing = False
+        continuous_api.update_cb_config_after_cache_creation(
+            cb_config=self.continuous_batching_config, num_blocks=cache.num_blocks,
+            max_batch_tokens=cache.max_batch_tokens)
+        scheduler_cls = continuous_api.SCHEDULER_MAPPING.get(self.continuous_batching_config.scheduler_type,
+                                                             continuous_api.FIFOScheduler)
+        scheduler = scheduler_cls(cache=cache, safety_margin=self.continuous_batching_config.safety_margin,
+                                  max_requests_per_batch=self.continuous_batching_config.max_requests_per_batch)
+        return continuous_api.ContinuousBatchProcessor(
+            cache=cache, config=engine_config, generation_config=self.generation_config,
+            continuous_batching_config=self.continuous_batching_config, logit_processor=self.logit_processor,
+            input_queue=self.input_queue if self.is_tp_driver else None,
+            cancel_queue=self.cancel_queue if self.is_tp_driver else None,
+            output_router=self.output_router, background_thread_status=self.background_thread_status,
+            model_device=self.model.device, model_dtype=self.model.dtype, scheduler=scheduler,
+            distributed_helper=self.distributed_helper)
