@@ -63,10 +63,11 @@ def plan_budget(model, cache: OscarCacheBase, kv_budget_bytes: int, *, max_concu
     heads, head_dim = shape.num_key_value_heads, shape.head_dim
     if head_dim % 4:
         raise ValueError(f"head_dim={head_dim} is not supported: INT2 pages pack four channels per byte.")
-    if cache.artifact_info is not None:  # the calibration must be this model's
-        probe = torch.empty(1, heads, 0, head_dim, device="meta")
-        for idx in [*range(len(plan)), 0]:
-            check_update(cache, probe, idx)
+    if cache.artifact_info is not None:  # the calibration must be this model's (the template's state untouched)
+        probe, seen = torch.empty(1, heads, 0, head_dim, device="meta"), types.SimpleNamespace(
+            artifact_info=cache.artifact_info, shard=None)
+        for idx in [*range(len(plan)), 0]:  # every layer, then layer 0 again: fewer layers than the artifact's
+            check_update(seen, probe, idx)
     recipes = {idx: cache._recipe_for_layer(idx) for idx, p in enumerate(plan) if p.storage == QUANTIZED}
     if not recipes:
         raise ValueError("This model has no full-attention layer: there is nothing to keep in INT2 pages.")

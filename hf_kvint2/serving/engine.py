@@ -195,6 +195,19 @@ class OscarPagedAttentionCache(PagedAttentionCache):
             self.peak_requests = max(self.peak_requests, len(self.requests))
         return True
 
+    def check_request_fits(self, state) -> None:
+        """Refuse a request that no free budget could hold (its prompt and max_new_tokens need more pages than the
+        arena has): an error for that request only, where the engine would wait for it forever."""
+        tokens = len(state.initial_tokens) + (state.max_new_tokens or 0)
+        pages = -(-tokens // self.layout.page_tokens)
+        total = self.allocator.num_blocks
+        if pages > total:
+            raise ValueError(
+                f"Request {state.request_id}: {len(state.initial_tokens)} prompt tokens and max_new_tokens="
+                f"{state.max_new_tokens} need {pages} INT2 pages of {self.layout.page_tokens} tokens, but the whole "
+                f"budget holds {total} pages ({total * self.layout.page_tokens} tokens). Shorten the request or "
+                f"raise kv_budget_bytes (by about {(pages - total) * self.allocator.bytes_per_block} bytes).")
+
     def count_storable_requests(self, list_blocks_needed) -> int:
         return min(super().count_storable_requests(list_blocks_needed), max(self.free_window_slots, 0))
 
@@ -296,6 +309,13 @@ class OscarBatchingManager(continuous_api.ContinuousBatchingManager):
                                                              continuous_api.FIFOScheduler)
         scheduler = scheduler_cls(cache=cache, safety_margin=self.continuous_batching_config.safety_margin,
                                   max_requests_per_batch=self.continuous_batching_config.max_requests_per_batch)
+        add_waiting_request = scheduler.add_waiting_request
+
+        def add_checked_request(state):  # a request too long for the whole budget fails alone (the others go on)
+            cache.check_request_fits(state)
+            add_waiting_request(state)
+
+        scheduler.add_waiting_request = add_checked_request
         return continuous_api.ContinuousBatchProcessor(
             cache=cache, config=engine_config, generation_config=self.generation_config,
             continuous_batching_config=self.continuous_batching_config, logit_processor=self.logit_processor,

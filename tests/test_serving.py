@@ -1,0 +1,197 @@
+"""Continuous batching on transformers' engine with INT2 pages (hf_kvint2.serving), on a tiny random Llama.
+
+The engine packs requests into one row, admits them as window slots and pages free up, and cuts long prompts into
+chunks (``max_batch_tokens``). Each request's greedy tokens must equal those of its own cache fed the same chunks
+(``generate(cache=...)`` of one sequence attends a prompt's earlier chunks as stored, as the engine does): a
+different token is allowed only at a near-tie (top-2 logit gap under 1e-3), and counted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+import torch
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from hf_kvint2 import OscarCache, OscarScaledCache
+from hf_kvint2.serving import disable_paged_int2, enable_paged_int2, plan_budget
+from hf_kvint2.serving.engine import TESTED_TRANSFORMERS, OscarPagedAttentionCache, check_transformers_version
+
+from conftest import TINY_VOCAB, tiny_config
+
+TESTED = any(transformers.__version__.startswith(v) for v in TESTED_TRANSFORMERS)
+needs_tested_engine = pytest.mark.skipif(not TESTED, reason=f"the INT2 engine refuses transformers "
+                                         f"{transformers.__version__} (test_untested_transformers_is_refused)")
+NEAR_TIE = 1e-3
+TEMPLATES = {
+    "oscar_scaled": lambda: OscarScaledCache(sink_tokens=4, recent_tokens=32),
+    "oscar": lambda: OscarCache(sink_tokens=4, recent_tokens=32),
+}
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(1234)
+    m = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32,
+                                                      attn_implementation="oscar").eval()
+    yield m
+    disable_paged_int2(m)
+
+
+def serve(model, template, prompts, max_new, *, budget, slots, max_batch_tokens, monkeypatch):
+    """Run every request through the engine; returns ({request id: tokens}, {request id: [(past, tokens)]} of every
+    forward, free pages before and after)."""
+    enable_paged_int2(model, template, kv_budget_bytes=budget, max_concurrent_requests=slots)
+    forwards = defaultdict(list)
+    record = OscarPagedAttentionCache.extend_read_and_write_indices
+
+    def recording(self, request_id, past_length, query_length, *args):
+        forwards[request_id].append((past_length, query_length))
+        return record(self, request_id, past_length, query_length, *args)
+
+    monkeypatch.setattr(OscarPagedAttentionCache, "extend_read_and_write_indices", recording)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(
+        generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
+    manager.start()
+    try:
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+               for i, (p, n) in enumerate(zip(prompts, max_new))]
+        results = {}
+        while len(results) < len(ids):
+            out = manager.get_result(timeout=120)
+            assert out is not None, f"the engine stopped with {len(ids) - len(results)} requests unanswered"
+            assert out.error is None, out.error
+            results[out.request_id] = out.generated_tokens
+        cache = manager.batch_processor.cache
+        pages = (cache.num_blocks, cache.free_pages())
+        peak = cache.peak_requests
+    finally:
+        manager.stop(block=True)
+    return results, forwards, pages, peak
+
+
+@torch.inference_mode()
+def alone(model, template, prompt, chunks, max_new):
+    """Greedy tokens of one request with its own cache, its prompt fed in ``chunks``; the top-2 gap of each step."""
+    cache = type(template)(settings=template.settings)
+    pos, logits = 0, None
+    for n in chunks:
+        ids = torch.tensor([prompt[pos:pos + n]])
+        logits = model(input_ids=ids, position_ids=torch.arange(pos, pos + n)[None], cache=cache,
+                       use_cache=True).logits[0, -1]
+        pos += n
+    tokens, gaps = [], []
+    for _ in range(max_new):
+        top = logits.topk(2)
+        tokens.append(int(top.indices[0]))
+        gaps.append(float(top.values[0] - top.values[1]))
+        if len(tokens) == max_new:
+            break
+        logits = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pos]]), cache=cache,
+                       use_cache=True).logits[0, -1]
+        pos += 1
+    return tokens, gaps
+
+
+def prefill_chunks(forwards, prompt_len):
+    """The prompt's chunks, from the request's forwards (past length, tokens); a request preempted and recomputed
+    would restart at 0, which the budgets here rule out."""
+    pasts = [p for p, _ in forwards]
+    assert pasts == sorted(pasts), f"a request was recomputed (preempted): {forwards}"
+    return [n for p, n in forwards if p < prompt_len]
+
+
+@needs_tested_engine
+@pytest.mark.parametrize(("method", "requests"), [("oscar_scaled", 32), ("oscar", 10)])
+def test_each_request_equals_its_own_cache(model, method, requests, monkeypatch):
+    rng = random.Random(7)
+    lengths = [rng.randint(100, 3000) for _ in range(requests)]
+    max_new = [rng.choice([3, 8, 16, 24]) for _ in range(requests)]  # some end early, freeing slots for the queue
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(n)] for n in lengths]
+    template = TEMPLATES[method]()
+    results, forwards, (total, free), peak = serve(model, template, prompts, max_new, budget=24 << 20, slots=8,
+                                                   max_batch_tokens=1024, monkeypatch=monkeypatch)
+    assert free == total, "pages leaked"
+    assert peak == min(8, requests), "requests were admitted while others decoded, up to the window slots"
+    near_ties = 0
+    for i, prompt in enumerate(prompts):
+        chunks = prefill_chunks(forwards[f"r{i}"], len(prompt))
+        assert sum(chunks) == len(prompt)
+        want, gaps = alone(model, template, prompt, chunks, max_new[i])
+        got = results[f"r{i}"]
+        assert len(got) == max_new[i]
+        diff = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if diff is not None:
+            assert gaps[diff] < NEAR_TIE, f"request {i} differs at token {diff} (top-2 gap {gaps[diff]:.3g})"
+            near_ties += 1
+    assert near_ties <= 2, f"{near_ties} requests diverged at near-ties"
+    assert any(len(c) > 1 for c in (prefill_chunks(forwards[f"r{i}"], len(p)) for i, p in enumerate(prompts)))
+
+
+@needs_tested_engine
+def test_a_request_longer_than_the_budget_fails_alone(model, monkeypatch):
+    template = TEMPLATES["oscar_scaled"]()
+    layout = plan_budget(model, template, 1 << 20, max_concurrent_requests=2)
+    too_long = layout.num_blocks * layout.page_tokens + 1
+    enable_paged_int2(model, template, kv_budget_bytes=1 << 20, max_concurrent_requests=2)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        manager.add_request(list(range(3, 3 + 50)), request_id="ok", max_new_tokens=4)
+        manager.add_request([5] * too_long, request_id="long", max_new_tokens=4)
+        outs = {}
+        while len(outs) < 2:
+            out = manager.get_result(timeout=60)
+            assert out is not None
+            outs[out.request_id] = out
+    finally:
+        manager.stop(block=True)
+    assert outs["ok"].error is None and len(outs["ok"].generated_tokens) == 4
+    assert "budget holds" in str(outs["long"].error) and "raise kv_budget_bytes" in str(outs["long"].error)
+
+
+def test_a_budget_too_small_for_one_request_is_refused_with_the_minimum(model):
+    with pytest.raises(ValueError, match=r"too small for one request.*the minimum is \d+ bytes"):
+        plan_budget(model, OscarScaledCache(), 10_000)
+    minimum = int(str(pytest.raises(ValueError, plan_budget, model, OscarScaledCache(), 10_000).value)
+                  .split("the minimum is ")[1].split(" ")[0])
+    plan_budget(model, OscarScaledCache(), minimum)  # the stated minimum is accepted
+
+
+def test_the_budget_is_split_between_window_slots_and_pages(model):
+    template = OscarScaledCache()
+    layout = plan_budget(model, template, 64 << 20, max_concurrent_requests=10)
+    assert layout.window_slots == 10
+    assert layout.page_tokens % max(r.demotion_block for r in layout.recipes.values()) == 0
+    used = layout.window_slots * layout.window_bytes + (layout.num_blocks + 2) * layout.bytes_per_block
+    assert 64 << 20 >= used > (64 << 20) - layout.bytes_per_block
+
+
+def test_untested_transformers_is_refused():
+    with pytest.raises(RuntimeError, match="tested on transformers"):
+        check_transformers_version("5.99.0")
+    check_transformers_version(TESTED_TRANSFORMERS[-1] + ".1")
+
+
+def test_a_calibration_for_another_model_is_refused(model, tmp_path):
+    other = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=3))
+    cache = OscarScaledCache()
+    cache.save_pretrained(tmp_path)
+    loaded = OscarScaledCache.from_pretrained(tmp_path)
+    loaded.artifact_info = {**(loaded.artifact_info or {}), "num_layers": 3}
+    with pytest.raises(Exception, match="num_layers=3"):
+        plan_budget(model, loaded, 64 << 20)
+    plan_budget(other, loaded, 64 << 20)
+
+
+@needs_tested_engine
+def test_forking_requests_is_refused(model):
+    enable_paged_int2(model, OscarScaledCache(), kv_budget_bytes=16 << 20)
+    gen = GenerationConfig(do_sample=True, num_return_sequences=2, max_new_tokens=4, eos_token_id=None)
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        model.init_continuous_batching(generation_config=gen)
