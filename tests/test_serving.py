@@ -14,13 +14,12 @@ from collections import defaultdict
 import pytest
 import torch
 import transformers
+from conftest import TINY_VOCAB, tiny_config
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_kvint2 import OscarCache, OscarScaledCache
 from hf_kvint2.serving import disable_paged_int2, enable_paged_int2, plan_budget
 from hf_kvint2.serving.engine import TESTED_TRANSFORMERS, OscarPagedAttentionCache, check_transformers_version
-
-from conftest import TINY_VOCAB, tiny_config
 
 TESTED = any(transformers.__version__.startswith(v) for v in TESTED_TRANSFORMERS)
 needs_tested_engine = pytest.mark.skipif(not TESTED, reason=f"the INT2 engine refuses transformers "
