@@ -72,7 +72,7 @@ def plan_budget(model, cache: OscarCacheBase, kv_budget_bytes: int, *, max_concu
     if not recipes:
         raise ValueError("This model has no full-attention layer: there is nothing to keep in INT2 pages.")
     page_tokens = page_tokens_for(list(recipes.values()), head_dim, page_size)
-    regions, page_bytes = PagedLayout.regions(recipes, heads, head_dim, page_tokens)
+    page_bytes = PagedLayout.page_bytes(recipes, heads, head_dim, page_tokens)
     block_bytes = page_bytes * len(recipes)
     windows = window_bytes(plan, recipes, heads, head_dim, model.dtype, getattr(cache, "window_dtype", None))
     per_request = windows + block_bytes * -(-EXPECTED_REQUEST_TOKENS // page_tokens)
@@ -94,7 +94,7 @@ def plan_budget(model, cache: OscarCacheBase, kv_budget_bytes: int, *, max_concu
                          f"INT2 pages in kv_budget_bytes={kv_budget_bytes}: at most "
                          f"{(kv_budget_bytes - 3 * block_bytes) // windows} slots fit this budget.")
     return PagedLayout(plan=plan, recipes=recipes, heads=heads, head_dim=head_dim, dtype=model.dtype,
-                       page_tokens=page_tokens, layer_regions=regions, bytes_per_page=page_bytes,
+                       page_tokens=page_tokens, bytes_per_page=page_bytes,
                        window_bytes=windows, window_slots=slots, num_blocks=num_blocks,
                        window_dtype=getattr(cache, "window_dtype", None))
 

@@ -20,6 +20,7 @@ no hook for a cache format; docs/serving.md names the upstream hooks that would 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ from ..model_config import QUANTIZED, LayerPlan
 from ..recipes import LayerRecipe
 from ..steps import DeferredKV, PackedSteps
 from ..window_layer import WindowLayer
-from .pages import PageArena, PagedBody, plan_stream
+from .pages import PageArena, PagedBody, layer_page_bytes
 
 # Page bytes are padded to a multiple of this (the engine's sector size is the lcm of the block bytes and 128).
 PAGE_ALIGN = 128
@@ -63,7 +64,6 @@ class PagedLayout:
     head_dim: int
     dtype: torch.dtype
     page_tokens: int
-    layer_regions: dict[int, tuple]
     bytes_per_page: int
     window_bytes: int  # full-precision bytes of one request's windows (every layer), at most
     window_slots: int
@@ -79,21 +79,15 @@ class PagedLayout:
         return self.bytes_per_page * len(self.quantized_layers)
 
     @staticmethod
-    def regions(recipes: dict[int, LayerRecipe], heads: int, head_dim: int, page_tokens: int) -> tuple[dict, int]:
-        """Every quantized layer's (key, value) regions at its page's offset, and the bytes of a page: the largest
-        layer's (the engine's pages have one size), padded to ``PAGE_ALIGN`` so that the engine's sector (the lcm of
-        the block bytes and 128) is one block."""
-        ends = []
-        for recipe in recipes.values():
-            key = plan_stream(0, recipe, "key", heads, head_dim, page_tokens)
-            ends.append(plan_stream(key.end, recipe, "value", heads, head_dim, page_tokens).end)
-        bytes_per_page = -(-max(ends) // PAGE_ALIGN) * PAGE_ALIGN
-        out = {}
-        for slot, (idx, recipe) in enumerate(recipes.items()):
-            base = slot * bytes_per_page
-            key = plan_stream(base, recipe, "key", heads, head_dim, page_tokens)
-            out[idx] = (key, plan_stream(key.end, recipe, "value", heads, head_dim, page_tokens))
-        return out, bytes_per_page
+    def page_bytes(recipes: dict[int, LayerRecipe], heads: int, head_dim: int, page_tokens: int) -> int:
+        """The engine's bytes per page (its pages have one size, a block is one page per quantized layer): the
+        layers' pages on average, rounded up so that a block is a multiple of ``PAGE_ALIGN`` bytes (the engine's
+        sector is the lcm of the block bytes and 128: one block)."""
+        n = len(recipes)
+        total = sum(layer_page_bytes(r, heads, head_dim, page_tokens) for r in recipes.values())
+        unit = PAGE_ALIGN // math.gcd(n, PAGE_ALIGN)
+        average = -(-total // n)
+        return -(-average // unit) * unit
 
 
 class PagedOscarLayer(OscarLayer):
@@ -142,7 +136,7 @@ class Int2PageAllocator(FullAttentionCacheAllocator):
         self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
         self.arena = PageArena(cache_tensor, self.bytes_per_block, self.layout.page_tokens, self.layout.heads,
-                               self.layout.head_dim, self.layout.recipes, self.layout.layer_regions)
+                               self.layout.head_dim, self.layout.recipes)
 
     def get_read_indices(self, request_id, past_length, query_length) -> list[int]:
         return []

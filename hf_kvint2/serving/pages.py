@@ -1,16 +1,19 @@
 """INT2 pages: the quantized bodies of many requests in one byte arena, a page of ``page_tokens`` tokens at a time.
 
-The arena is the continuous-batching engine's cache tensor (one flat uint8 tensor). It is cut into blocks; a block
-belongs to one request and holds, for every quantized layer, the key and value pages of the same ``page_tokens``
-body tokens of that request: packed codes, group scales and offsets, and token norms where the layout has them::
+The arena is the continuous-batching engine's cache tensor (one flat uint8 tensor). The engine hands out blocks by
+id; a block belongs to one request and stands for, in every quantized layer, the key and value pages of the same
+``page_tokens`` body tokens of that request: packed codes, group scales and offsets, and token norms where the
+layout has them. The arena is laid out by part, not by block, head-major inside each part::
 
-    block = [ layer a: K codes | K scale | K lo | K norm | V codes | V scale | V lo | V norm | layer b: ... ]
+    arena = [ layer a: K codes [H, blocks, page, D/4] | K scale [H, blocks, ...] | K lo | K norm [blocks, page]
+              | V codes | ... | layer b: ... ]
 
-A page's tokens are whole quantization groups of one request (``page_tokens`` is a multiple of every layer's
-demotion block), so per-channel key groups never mix requests or straddle pages. :class:`PagedBody` is one
-request's key or value body of one layer over its blocks: the store an :class:`~hf_kvint2.layers.OscarLayer` writes
-demoted tokens into and reads as a :class:`~hf_kvint2.stream.QuantizedBody` (its pages gathered in order), with the
-interface of :class:`~hf_kvint2.stream.QuantizedStream`.
+so that one request's pages of a part gather into the ``[1, H, tokens, ...]`` tensor the body kernels read with
+one copy (``index_select`` over the block axis, then a free view). A page's tokens are whole quantization groups
+of one request (``page_tokens`` is a multiple of every layer's demotion block), so per-channel key groups never
+mix requests or straddle pages. :class:`PagedBody` is one request's key or value body of one layer over its
+blocks: the store an :class:`~hf_kvint2.layers.OscarLayer` writes demoted tokens into and reads as a
+:class:`~hf_kvint2.stream.QuantizedBody`, with the interface of :class:`~hf_kvint2.stream.QuantizedStream`.
 """
 
 from __future__ import annotations
@@ -59,58 +62,63 @@ def page_tokens_for(recipes: list[LayerRecipe], head_dim: int, requested: int | 
 
 
 @dataclass(frozen=True)
-class StreamRegions:
-    """Byte offsets inside a block of one stream's page: codes, scale, lo, norm (None without token norms)."""
+class StreamPage:
+    """Bytes of one stream's page, by part (``lo`` takes as many as ``scale``), each padded to ``REGION_ALIGN``."""
 
     codes: int
     scale: int
-    lo: int
-    norm: int | None
-    end: int
+    norm: int
+
+    @property
+    def total(self) -> int:
+        return self.codes + 2 * self.scale + self.norm
 
 
-def plan_stream(offset: int, recipe: LayerRecipe, kind: str, heads: int, head_dim: int,
-                page_tokens: int) -> StreamRegions:
-    """The regions of one stream's page starting at byte ``offset`` of a block."""
+def stream_page(recipe: LayerRecipe, kind: str, heads: int, head_dim: int, page_tokens: int) -> StreamPage:
+    """The bytes of one page of a layer's ``kind`` ("key" / "value") stream."""
     layout = recipe.key if kind == "key" else recipe.value
     itemsize = torch.empty((), dtype=recipe.scale_dtype).element_size()
-    codes = offset
-    scale = codes + _aligned(heads * page_tokens * head_dim // 4)
-    lo = scale + _aligned(stream_scale_elements(recipe, kind, heads, head_dim, page_tokens) * itemsize)
-    after_lo = lo + (lo - scale)
-    norm = after_lo if layout.token_scaling else None
-    end = after_lo + (_aligned(page_tokens * itemsize) if layout.token_scaling else 0)
-    return StreamRegions(codes, scale, lo, norm, end)
+    return StreamPage(codes=_aligned(heads * page_tokens * head_dim // 4),
+                      scale=_aligned(stream_scale_elements(recipe, kind, heads, head_dim, page_tokens) * itemsize),
+                      norm=_aligned(page_tokens * itemsize) if layout.token_scaling else 0)
+
+
+def layer_page_bytes(recipe: LayerRecipe, heads: int, head_dim: int, page_tokens: int) -> int:
+    """Bytes of one layer's key and value pages of ``page_tokens`` tokens."""
+    return sum(stream_page(recipe, kind, heads, head_dim, page_tokens).total for kind in ("key", "value"))
 
 
 class PageArena:
-    """Typed views of the streams' pages in the engine's byte arena (``cache_tensor``, ``bytes_per_block`` bytes a
-    block). ``layer_regions[layer_idx]`` = (key regions, value regions) inside a block."""
+    """Typed views of every quantized layer's stream parts in the engine's byte arena (``cache_tensor``: room for
+    ``num_blocks`` blocks of ``bytes_per_block`` bytes, including the engine's unused ones, which the block ids
+    count too). ``views[layer_idx, kind]`` = (codes [H, blocks, page, D/4], scale and lo [H, blocks, elements],
+    norm [blocks, page] or None)."""
 
     def __init__(self, cache_tensor: torch.Tensor, bytes_per_block: int, page_tokens: int, heads: int,
-                 head_dim: int, recipes: dict[int, LayerRecipe], layer_regions: dict[int, tuple]):
+                 head_dim: int, recipes: dict[int, LayerRecipe]):
         self.page_tokens, self.heads, self.head_dim = page_tokens, heads, head_dim
-        self.num_blocks = cache_tensor.numel() // bytes_per_block
-        self._blocks = cache_tensor[:self.num_blocks * bytes_per_block].view(self.num_blocks, bytes_per_block)
+        self.num_blocks = nb = cache_tensor.numel() // bytes_per_block
         self.views: dict[tuple[int, str], tuple] = {}
-        for idx, regions in layer_regions.items():
-            recipe = recipes[idx]
-            for kind, reg in zip(("key", "value"), regions):
-                self.views[idx, kind] = self._stream_views(recipe, kind, reg)
+        offset = 0
 
-    def _region(self, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._blocks[:, start:start + nbytes].view(dtype)
+        def part(nbytes_per_block: int, dtype: torch.dtype) -> torch.Tensor:
+            nonlocal offset
+            t = cache_tensor[offset:offset + nb * nbytes_per_block].view(dtype)
+            offset += nb * nbytes_per_block
+            return t
 
-    def _stream_views(self, recipe: LayerRecipe, kind: str, reg: StreamRegions) -> tuple:
-        h, d, p = self.heads, self.head_dim, self.page_tokens
-        sd = recipe.scale_dtype
-        itemsize = torch.empty((), dtype=sd).element_size()
-        n_scale = stream_scale_elements(recipe, kind, h, d, p)
-        codes = self._region(reg.codes, h * p * d // 4, torch.uint8).view(self.num_blocks, h, p, d // 4)
-        scale = self._region(reg.scale, n_scale * itemsize, sd).view(self.num_blocks, h, n_scale // h)
-        lo = self._region(reg.lo, n_scale * itemsize, sd).view(self.num_blocks, h, n_scale // h)
-        norm = None if reg.norm is None else self._region(reg.norm, p * itemsize, sd)
-        return codes, scale, lo, norm
+        h, d, p = heads, head_dim, page_tokens
+        for idx, recipe in recipes.items():
+            for kind in ("key", "value"):
+                page = stream_page(recipe, kind, h, d, p)
+                n_scale = stream_scale_elements(recipe, kind, h, d, p) // h
+                codes = part(page.codes, torch.uint8)[:h * nb * p * d // 4].view(h, nb, p, d // 4)
+                scale, lo = (part(page.scale, recipe.scale_dtype)[:h * nb * n_scale].view(h, nb, n_scale)
+                             for _ in range(2))
+                norm = part(page.norm, recipe.scale_dtype)[:nb * p].view(nb, p) if page.norm else None
+                self.views[idx, kind] = (codes, scale, lo, norm)
+        if offset > cache_tensor.numel():
+            raise ValueError(f"The arena has {cache_tensor.numel()} bytes; its pages need {offset}.")
 
 
 class PagedBody:
@@ -138,13 +146,13 @@ class PagedBody:
     def _group(self) -> int:
         return self.codec.group if self.codec.layout.axis == "channel" else 1
 
-    def _scale_rows(self, page: torch.Tensor) -> torch.Tensor:
-        """A page's scale / lo [blocks, H, elements] as rows: [blocks, H, page, D/G] (per-token groups) or
-        [blocks, H, page/G, D] (per-channel)."""
+    def _scale_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """Scale / lo [H, blocks, elements] as rows: [H, blocks, page, D/G] (per-token groups) or
+        [H, blocks, page/G, D] (per-channel)."""
         p, d, g = self.arena.page_tokens, self.arena.head_dim, self.codec.group
         if self.codec.layout.axis == "channel":
-            return page.view(*page.shape[:2], p // g, d)
-        return page.view(*page.shape[:2], p, d // g)
+            return part.view(*part.shape[:2], p // g, d)
+        return part.view(*part.shape[:2], p, d // g)
 
     def append(self, x: torch.Tensor) -> None:
         """Quantize original-space tokens x [1, H, n, D] (whole groups) into the next ``n`` token slots."""
@@ -160,15 +168,14 @@ class PagedBody:
             raise RuntimeError(f"The request's block table holds {len(self.block_ids)} pages of {p} tokens, too few "
                                f"for {end} body tokens: the engine allocated less than the request's length.")
         done = 0
+        scale, lo = self._scale_rows(self.scale), self._scale_rows(self.lo)
         while t < end:
             page, at = divmod(t, p)
             take = min(p - at, end - t)
             block = self.block_ids[page]
-            self.codes[block, :, at:at + take] = q.codes[0, :, done:done + take]
-            self._scale_rows(self.scale[block:block + 1])[0, :, at // g:(at + take) // g] = \
-                q.scale[0, :, done // g:(done + take) // g]
-            self._scale_rows(self.lo[block:block + 1])[0, :, at // g:(at + take) // g] = \
-                q.lo[0, :, done // g:(done + take) // g]
+            self.codes[:, block, at:at + take] = q.codes[0, :, done:done + take]
+            scale[:, block, at // g:(at + take) // g] = q.scale[0, :, done // g:(done + take) // g]
+            lo[:, block, at // g:(at + take) // g] = q.lo[0, :, done // g:(done + take) // g]
             if self.norm is not None:
                 self.norm[block, at:at + take] = norm[0, done:done + take]
             t += take
@@ -177,15 +184,14 @@ class PagedBody:
 
     def read(self, tokens: int | None = None) -> QuantizedBody:
         """The first ``tokens`` body tokens (default: all) as a :class:`QuantizedBody`: the request's pages gathered
-        in token order (INT2 bytes: an eighth of the float32 K/V they stand for)."""
+        in token order with one copy each (INT2 bytes: an eighth of the float32 K/V they stand for)."""
         n = self._tokens if tokens is None else tokens
         p = self.arena.page_tokens
         pages = max(1, -(-n // p))
         ids = torch.tensor(self.block_ids[:pages], dtype=torch.long, device=self.codes.device)
 
-        def gathered(t: torch.Tensor) -> torch.Tensor:  # [pages, H, rows, cols] -> [1, H, pages * rows, cols]
-            t = t.index_select(0, ids)
-            return t.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[-1])
+        def gathered(t: torch.Tensor) -> torch.Tensor:  # [H, blocks, rows, cols] -> [1, H, pages * rows, cols]
+            return t.index_select(1, ids).view(1, t.shape[0], -1, t.shape[-1])
 
         codes = gathered(self.codes)
         scale = gathered(self._scale_rows(self.scale))
