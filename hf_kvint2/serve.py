@@ -119,11 +119,10 @@ class ServedModel:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"The tokenizer of {model_id} has no chat template: /v1/chat/completions needs one. Set "
                              "tokenizer.chat_template.")
-        self.model_id, self.tokenizer, self.config, self.generation_config = model_id, tokenizer, config, \
-            generation_config
-        self.dtype = dtype
-        self.load_model, self.method, self.kv_budget_bytes, self.num_threads = load_model, method, kv_budget_bytes, \
-            num_threads
+        self.model_id, self.tokenizer, self.dtype = model_id, tokenizer, dtype
+        self.config, self.generation_config = config, generation_config
+        self.load_model, self.method, self.num_threads = load_model, method, num_threads
+        self.kv_budget_bytes = kv_budget_bytes
         self.cache_factory = cache_factory or (_oscar_scaled_cache if method == "oscar-scaled" else
                                                _shipped_oscar_cache)
 
@@ -217,7 +216,8 @@ def keep_batching_manager(model) -> None:
 def kv_cache_state(model, processor=None) -> dict:
     """Runs in the model's process: the paged KV cache's capacity and use. ``total_bytes`` (the pages),
     ``free_bytes`` (free sectors and free blocks), ``reusable_bytes`` (blocks no request holds, kept for prefix
-    sharing and given back on demand) and per attention type the blocks and pages requests hold."""
+    sharing and given back on demand) and per attention type the blocks and pages requests hold; with the INT2
+    engine, also its full-precision window slots (``window_slots``, ``free_window_slots``, ``window_bytes``)."""
     manager = getattr(model, MANAGER_ATTRIBUTE, None)
     if manager is None or manager.batch_processor is None:
         raise RuntimeError("The model's continuous batching has not started: no KV cache to report.")
@@ -229,9 +229,14 @@ def kv_cache_state(model, processor=None) -> dict:
         groups[name] = {"blocks": allocator.num_blocks, "held_blocks": len(held),
                         "held_pages": len(held) * allocator.pages_per_block,
                         "requests": len(allocator.block_table), "tokens_per_page": allocator.tokens_per_page}
-    return {"cache": type(cache).__name__, "total_bytes": cache.num_sectors * cache.bytes_per_sector,
-            "free_bytes": int(cache.compute_free_capacity(relative=False)), "reusable_bytes": reusable,
-            "attention_types": groups}
+    state = {"cache": type(cache).__name__, "total_bytes": cache.num_sectors * cache.bytes_per_sector,
+             "free_bytes": int(cache.compute_free_capacity(relative=False)), "reusable_bytes": reusable,
+             "attention_types": groups}
+    layout = getattr(cache, "layout", None)
+    if layout is not None:  # the INT2 engine: each live request also holds one of its full-precision window slots
+        state.update(window_slots=layout.window_slots, free_window_slots=cache.free_window_slots,
+                     window_bytes=layout.window_slots * layout.window_bytes)
+    return state
 
 
 def build_app(served: ServedModel, cb_config=None, max_model_len: int | None = None):
