@@ -95,13 +95,12 @@ def gemma3_gguf_path() -> Path:
     return target
 
 
-def _load_cached(name: str, model_id: str, gguf_path, dtype: torch.dtype, attn_implementation: str | None):
-    """``(model, tokenizer)`` from the safetensors copy ``cache_dir()/name``, written first from the GGUF file
-    ``gguf_path()`` (dequantized to float32) when missing."""
+def _cached_checkpoint(name: str, model_id: str, gguf_path) -> Path:
+    """The folder of the safetensors copy ``cache_dir()/name`` (config, tokenizer, float32 weights), written first
+    from the GGUF file ``gguf_path()`` (dequantized to float32) when missing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     copy = cache_dir() / name
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if not (copy / "model.safetensors").exists():
         gguf = gguf_path()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -116,6 +115,15 @@ def _load_cached(name: str, model_id: str, gguf_path, dtype: torch.dtype, attn_i
         tokenizer.save_pretrained(tmp)
         if not copy.exists():  # another process may have written it meanwhile
             tmp.replace(copy)
+    return copy
+
+
+def _load_cached(name: str, model_id: str, gguf_path, dtype: torch.dtype, attn_implementation: str | None):
+    """``(model, tokenizer)`` from the safetensors copy ``cache_dir()/name`` (see :func:`_cached_checkpoint`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    copy = _cached_checkpoint(name, model_id, gguf_path)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     tokenizer = AutoTokenizer.from_pretrained(copy)
     model = AutoModelForCausalLM.from_pretrained(copy, dtype=dtype, **kwargs)
     # transformers names a model by the folder it was loaded from; this one is model_id's weights (what its bundled
@@ -128,6 +136,12 @@ def _load_cached(name: str, model_id: str, gguf_path, dtype: torch.dtype, attn_i
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
     """Return ``(model, tokenizer)`` for SmolLM2-135M-Instruct, from the safetensors copy when present."""
     return _load_cached("smollm2-135m-instruct", DEFAULT_MODEL_ID, smollm2_gguf_path, dtype, attn_implementation)
+
+
+def smollm2_checkpoint() -> Path:
+    """The folder of SmolLM2-135M-Instruct's safetensors copy (config, tokenizer and weights), written first from
+    the bundled GGUF file when missing: for a process that needs the config and tokenizer without the weights."""
+    return _cached_checkpoint("smollm2-135m-instruct", DEFAULT_MODEL_ID, smollm2_gguf_path)
 
 
 def load_gemma3(dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):

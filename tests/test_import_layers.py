@@ -26,9 +26,9 @@ LAZY_ALLOWED = {"hf_kvint2.kernels.decode_attention", "hf_kvint2.kernels.quantiz
                 "hf_kvint2.kernels.reference"}
 # Modules that import first-party modules inside functions on purpose: ``import hf_kvint2`` loads neither torch nor
 # transformers, so the "oscar" registration imports hf_kvint2.attention only once transformers' model code loads;
-# the demo and the precompile command parse their arguments (and print --help) before they load torch,
+# the demo, the precompile command and the server parse their arguments (and print --help) before they load torch,
 # transformers and the caches.
-LAZY_IMPORTERS = {"hf_kvint2.registration", "hf_kvint2.demo", "hf_kvint2.precompile"}
+LAZY_IMPORTERS = {"hf_kvint2.registration", "hf_kvint2.demo", "hf_kvint2.precompile", "hf_kvint2.serve"}
 
 
 def module_files() -> dict[str, Path]:
