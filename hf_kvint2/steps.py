@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .backends import select_body_partial
 from .quant import to_model_dtype, tracing
 from .read_path import attend_segments, step_mask
+from .stream import QuantizedBody
 
 PORTABLE_PATH_WARNING = (
     "hf_kvint2: this Oscar cache is read through the portable attention path, which dequantizes the layer's whole "
@@ -88,8 +89,8 @@ class LayerStep(_Step):
     that were already demoted to the body or stored in the sink are attended from the chunk itself.
     """
 
-    __slots__ = ("__weakref__", "_full", "body_tokens", "chunk_tail", "key_body", "layer", "sink_k", "sink_v",
-                 "tail_k", "tail_v", "value_body")
+    __slots__ = ("__weakref__", "_bodies", "_full", "body_tokens", "chunk_tail", "layer", "sink_k", "sink_v",
+                 "stores", "tail_k", "tail_v")
 
     def __init__(self, layer, key_states: torch.Tensor, value_states: torch.Tensor):
         n_new = key_states.shape[-2]
@@ -108,14 +109,40 @@ class LayerStep(_Step):
         else:  # the chunk overflowed the window, so every recent token is from it
             assert recent_past <= 0, "OscarLayer invariant: an overflowing chunk fills the whole recent window"
             self.tail_k, self.tail_v = key_states, value_states
-        # the body as it is now: the attention reads these tensors even if the layer is offloaded meanwhile
-        # (transformers' offloading moves a layer to the CPU as soon as its update returns)
-        self.key_body, self.value_body = layer.key_body.read(self.body_tokens), layer.value_body.read(self.body_tokens)
+        self.stores = (layer.key_body, layer.value_body)
+        if getattr(layer.key_body, "stays_in_place", False):  # read when (and if) the attention reads it
+            self._bodies = None
+        else:  # the body as it is now: the attention reads these tensors even if the layer is offloaded meanwhile
+            # (transformers' offloading moves a layer to the CPU as soon as its update returns)
+            self._bodies = (layer.key_body.read(self.body_tokens), layer.value_body.read(self.body_tokens))
         self._full = None
+
+    def _read_bodies(self):
+        if self._bodies is None:
+            self._bodies = (self.stores[0].read(self.body_tokens), self.stores[1].read(self.body_tokens))
+        return self._bodies
+
+    @property
+    def key_body(self):
+        """The first ``body_tokens`` of the key body (a :class:`~hf_kvint2.stream.QuantizedBody`)."""
+        return self._read_bodies()[0]
+
+    @property
+    def value_body(self):
+        return self._read_bodies()[1]
 
     @property
     def seq_len(self) -> int:
         return self.sink_k.shape[-2] + self.body_tokens + self.tail_k.shape[-2]
+
+    def batch_key(self) -> tuple:
+        """Steps with equal keys can be attended in one call (:func:`decode_batch`): the same codecs (rotations,
+        means, layouts) for keys and values, the same sink length, dtype and device."""
+        codecs = []
+        for store in self.stores:
+            c = store.codec
+            codecs.append((id(c.rotation), id(c.mean), c.layout, c.group, c.scale_dtype, c.shard))
+        return (*codecs, self.sink_k.shape[2], self.sink_k.dtype, self.sink_k.device)
 
     def _view(self):
         if self.chunk_tail and not (self.body_tokens or self.sink_k.shape[-2]):
@@ -152,7 +179,10 @@ class PackedSteps:
     """One forward of one layer for several sequences packed along the token axis of one row (transformers'
     continuous batching): ``parts`` = (first token, tokens, what the sequence's layer returned), where that is a
     :class:`LayerStep` (a quantized layer) or ``(keys, values, window)`` (a sliding-window layer's full-precision
-    K/V, its window in tokens). Each sequence attends only to its own tokens, causally."""
+    K/V, its window in tokens). Each sequence attends only to its own tokens, causally.
+
+    Decode steps (one query token) of sequences whose streams share their codecs and sink length are attended in
+    one call: their bodies and recent windows padded to the longest, the padding masked (:func:`decode_batch`)."""
 
     __slots__ = ("__weakref__", "parts", "tokens")
 
@@ -167,25 +197,88 @@ class PackedSteps:
         """query [1, Hq, tokens, D] -> [1, Hq, tokens, D]: each sequence's rows over its own step, the body read from
         its codes (:meth:`LayerStep.attend`); while a sequence has no INT2 tokens, or in a sliding-window layer, SDPA
         over its full-precision K/V, as the ``"oscar"`` attention of a cache of one sequence does."""
-        outs = []
-        for start, n, part in self.parts:
-            q = query[:, :, start:start + n]
-            if isinstance(part, LayerStep) and part.body_tokens:
-                outs.append(part.attend(q, None, scaling, True))
-                continue
-            if isinstance(part, LayerStep):
-                (k, v), window = part.materialize(), None
-                part.release()
+        outs: list = [None] * len(self.parts)
+        batches: dict[tuple, list[int]] = {}
+        for i, (start, n, part) in enumerate(self.parts):
+            if n == 1 and isinstance(part, LayerStep) and part.body_tokens and not part.chunk_tail:
+                batches.setdefault(part.batch_key(), []).append(i)
             else:
-                k, v, window = part
-            total = k.shape[2]
-            mask = None
-            if n != total or (window is not None and total > window):  # else SDPA's own causal mask is exact
-                mask = step_mask(None, range(total - n, total), range(total), q.device, window=window)
-                mask = mask.to(q.dtype) if q.dtype != torch.float32 else mask
-            out, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, is_causal=mask is None)
-            outs.append(out.transpose(1, 2))
+                outs[i] = self._attend_one(module, query[:, :, start:start + n], part, scaling)
+        for members in batches.values():
+            steps = [self.parts[i][2] for i in members]
+            q = torch.cat([query[:, :, self.parts[i][0]:self.parts[i][0] + 1] for i in members])
+            out = decode_batch(steps, q, scaling) if len(steps) > 1 else steps[0].attend(q, None, scaling, True)
+            for j, i in enumerate(members):
+                outs[i] = out[j:j + 1]
         return torch.cat(outs, dim=2)
+
+    @staticmethod
+    def _attend_one(module, q: torch.Tensor, part, scaling: float) -> torch.Tensor:
+        if isinstance(part, LayerStep) and part.body_tokens:
+            return part.attend(q, None, scaling, True)
+        if isinstance(part, LayerStep):
+            (k, v), window = part.materialize(), None
+            part.release()
+        else:
+            k, v, window = part
+        n, total = q.shape[2], k.shape[2]
+        mask = None
+        if n != total or (window is not None and total > window):  # else SDPA's own causal mask is exact
+            mask = step_mask(None, range(total - n, total), range(total), q.device, window=window)
+            mask = mask.to(q.dtype) if q.dtype != torch.float32 else mask
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=scaling, is_causal=mask is None)
+        return out.transpose(1, 2)
+
+
+def _padded(tensors: list[torch.Tensor], length: int, dim: int) -> torch.Tensor:
+    """[1, ...] tensors stacked into [len, ...], each zero-padded along ``dim`` to ``length``."""
+    first = tensors[0]
+    shape = list(first.shape)
+    shape[0], shape[dim] = len(tensors), length
+    out = first.new_zeros(shape)
+    for i, t in enumerate(tensors):
+        out[i:i + 1].narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def _padded_body(parts: list[QuantizedBody], n_body: int) -> QuantizedBody:
+    """Bodies of one codec, [1, ...] each, as one body of the longest's tokens ([G, ...], zero-padded)."""
+    b0 = parts[0]
+    rows = max(p.rows_for(n_body) for p in parts)
+    norm = None if b0.norm is None else _padded([p.norm[:, :p.tokens] for p in parts], n_body, 1)
+    return QuantizedBody(b0.codec, _padded([p.codes[:, :, :p.tokens] for p in parts], n_body, 2),
+                         _padded([p.scale[:, :, :p.rows_for(p.tokens)] for p in parts], rows, 2),
+                         _padded([p.lo[:, :, :p.rows_for(p.tokens)] for p in parts], rows, 2), norm, n_body)
+
+
+def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One decode step of several sequences in one call of the read path: query [G, Hq, 1, D] (row g: sequence
+    g's new token), each sequence's :class:`LayerStep` (the same codecs and sink length: :meth:`LayerStep.batch_key`).
+    Bodies and recent windows are padded to the longest (bodies whose store gathers several at once,
+    ``gather_padded``, in one gather); the mask hides the padding. Returns [G, Hq, 1, D]."""
+    first = steps[0]
+    n_body = max(s.body_tokens for s in steps)
+    n_tail = max(s.tail_k.shape[2] for s in steps)
+    n_sink = first.sink_k.shape[2]
+    sink_k = torch.cat([s.sink_k for s in steps])
+    sink_v = torch.cat([s.sink_v for s in steps])
+    tail_k = _padded([s.tail_k for s in steps], n_tail, 2)
+    tail_v = _padded([s.tail_v for s in steps], n_tail, 2)
+    gather = getattr(type(first.stores[0]), "gather_padded", None)
+    if gather is not None and all(type(store) is type(first.stores[0]) for s in steps for store in s.stores):
+        bodies = [gather([s.stores[i] for s in steps], [s.body_tokens for s in steps]) for i in (0, 1)]
+    else:
+        bodies = [_padded_body([getattr(s, which) for s in steps], n_body) for which in ("key_body", "value_body")]
+    n_body = bodies[0].tokens
+    valid = torch.zeros(len(steps), 1, 1, n_sink + n_body + n_tail, dtype=torch.bool, device=query.device)
+    valid[:, :, :, :n_sink] = True
+    for g, s in enumerate(steps):
+        valid[g, :, :, n_sink:n_sink + s.body_tokens] = True
+        valid[g, :, :, n_sink + n_body:n_sink + n_body + s.tail_k.shape[2]] = True
+    mask = torch.zeros(valid.shape, dtype=torch.float32, device=query.device).masked_fill_(~valid, float("-inf"))
+    backend = select_body_partial(query.device)
+    return attend_segments(query, [(sink_k, sink_v)], bodies[0], bodies[1], [(tail_k, tail_v)], scaling, backend,
+                           mask, fused_dense=True)
 
 
 class StaticStep(_Step):

@@ -20,6 +20,7 @@ no hook for a cache format; docs/serving.md names the upstream hooks that would 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -90,28 +91,50 @@ class PagedLayout:
         return -(-average // unit) * unit
 
 
+class SharedTensors:
+    """One tensor object per content: the requests' codecs share their rotations and means, so that the decode steps
+    of requests with equal codecs are attended in one call (:class:`~hf_kvint2.steps.PackedSteps` groups them by
+    identity)."""
+
+    def __init__(self):
+        self._by_content: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        key = (tuple(t.shape), t.dtype, t.device, t.detach().cpu().numpy().tobytes())
+        return self._by_content.setdefault(key, t)
+
+    def codec(self, codec):
+        rotation, mean = self(codec.rotation), self(codec.mean)
+        if rotation is codec.rotation and mean is codec.mean:
+            return codec
+        return dataclasses.replace(codec, rotation=rotation, mean=mean)
+
+
 class PagedOscarLayer(OscarLayer):
     """An :class:`~hf_kvint2.layers.OscarLayer` of one request whose key and value bodies are
     :class:`~hf_kvint2.serving.pages.PagedBody` stores over the request's blocks."""
 
-    def __init__(self, recipe: LayerRecipe, layer_idx: int, arena: PageArena, block_ids: list[int]):
-        self.arena, self.block_ids = arena, block_ids
+    def __init__(self, recipe: LayerRecipe, layer_idx: int, arena: PageArena, block_ids: list[int],
+                 shared: SharedTensors):
+        self.arena, self.block_ids, self.shared = arena, block_ids, shared
         super().__init__(recipe, layer_idx)
         self.fused_attention = True  # read by the "oscar" attention: update() returns the step's placeholders
 
     def _new_stream(self, kind, codec):
-        return PagedBody(codec, self.arena, self.layer_idx, kind, self.block_ids)
+        return PagedBody(self.shared.codec(codec), self.arena, self.layer_idx, kind, self.block_ids)
 
 
 class RequestKV:
     """One request's cache layers, by model layer index: a :class:`PagedOscarLayer` for each quantized layer, a
     :class:`~hf_kvint2.window_layer.WindowLayer` for each sliding-window layer."""
 
-    def __init__(self, layout: PagedLayout, arena: PageArena, block_ids: list[int]):
+    def __init__(self, layout: PagedLayout, arena: PageArena, block_ids: list[int], shared: SharedTensors):
         self.layers = []
         for idx, plan in enumerate(layout.plan):
             if plan.storage == QUANTIZED:
-                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids))
+                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids, shared))
             else:
                 self.layers.append(WindowLayer(sliding_window=plan.window, storage_dtype=layout.window_dtype))
 
@@ -156,6 +179,7 @@ class OscarPagedAttentionCache(PagedAttentionCache):
         self.layout = layout  # read by _create_allocator, which the engine's __init__ calls
         super().__init__(*args, **kwargs)
         self.requests: dict[str, RequestKV] = {}
+        self.shared = SharedTensors()
         self.peak_requests = 0
         self._batch: list[tuple[str, int, int]] = []  # (request id, past length, query length) of the next forward
         self._packed: list[tuple[RequestKV, int, int]] | None = None  # the forward's requests, token offsets
@@ -185,7 +209,7 @@ class OscarPagedAttentionCache(PagedAttentionCache):
             return False
         if new and not dry_run:
             block_ids = self.allocator.block_table[state.request_id]
-            self.requests[state.request_id] = RequestKV(self.layout, self.allocator.arena, block_ids)
+            self.requests[state.request_id] = RequestKV(self.layout, self.allocator.arena, block_ids, self.shared)
             self.peak_requests = max(self.peak_requests, len(self.requests))
         return True
 

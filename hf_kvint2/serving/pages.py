@@ -126,7 +126,10 @@ class PagedBody:
     request's block table, shared with the engine's allocator, which grows it) in token order, ``tokens`` written.
 
     The interface of :class:`~hf_kvint2.stream.QuantizedStream` that :class:`~hf_kvint2.layers.OscarLayer` uses:
-    ``codec``, ``tokens``, ``append``, ``read``, ``truncate``, ``dequantize``, ``buffers``."""
+    ``codec``, ``tokens``, ``append``, ``read``, ``truncate``, ``dequantize``, ``buffers``. Its pages stay where they
+    are until the request ends, so a step may read them late (``stays_in_place``)."""
+
+    stays_in_place = True
 
     def __init__(self, codec: StreamCodec, arena: PageArena, layer_idx: int, kind: str, block_ids: list[int]):
         self.codec = codec
@@ -198,6 +201,28 @@ class PagedBody:
         lo = gathered(self._scale_rows(self.lo))
         norm = None if self.norm is None else self.norm.index_select(0, ids).reshape(1, -1)
         return QuantizedBody(self.codec, codes, scale, lo, norm, n)
+
+    @staticmethod
+    def gather_padded(stores: list[PagedBody], tokens: list[int]) -> QuantizedBody:
+        """The first ``tokens[g]`` body tokens of each request's store (one codec) as one :class:`QuantizedBody`
+        ``[G, H, T, ...]`` of the longest's tokens: one gather over every request's pages, a request with fewer
+        pages padded with its own first page (the mask of :func:`~hf_kvint2.steps.decode_batch` hides it)."""
+        first = stores[0]
+        p, n = first.arena.page_tokens, max(tokens)
+        pages = max(1, -(-n // p))
+        ids = []
+        for store, t in zip(stores, tokens):
+            own = store.block_ids[:max(1, -(-t // p))]
+            ids.extend(own + [own[0]] * (pages - len(own)))
+        ids = torch.tensor(ids, dtype=torch.long, device=first.codes.device)
+        g = len(stores)
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:  # [H, blocks, rows, cols] -> [G, H, pages * rows, cols]
+            return t.index_select(1, ids).view(t.shape[0], g, -1, t.shape[-1]).transpose(0, 1)
+
+        norm = None if first.norm is None else first.norm.index_select(0, ids).view(g, -1)
+        return QuantizedBody(first.codec, gathered(first.codes), gathered(first._scale_rows(first.scale)),
+                             gathered(first._scale_rows(first.lo)), norm, n)
 
     def dequantize(self, rotated: bool = False) -> torch.Tensor:
         return self.read().dequantize(rotated=rotated)
