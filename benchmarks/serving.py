@@ -271,10 +271,14 @@ class EngineProbe:
         manager._generation_loop_body = loop_body
         manager._generation_step = generation_step
 
-    def serve(self, prompts: list[list[int]], new_tokens: int) -> dict:
-        """Submits ``prompts`` at once and waits for every result; returns request index -> GenerationOutput."""
+    def serve(self, prompts: list[list[int]], new_tokens: int, desc: str | None = None) -> dict:
+        """Submits ``prompts`` at once and waits for every result (a progress bar of finished requests with
+        ``desc``); returns request index -> GenerationOutput."""
+        from tqdm import tqdm
+
         results, ids = {}, self.manager.add_requests(inputs=prompts, max_new_tokens=new_tokens)
         self.ids = {request_id: i for i, request_id in enumerate(ids)}
+        bar = tqdm(total=len(ids), desc=desc, unit="request", disable=desc is None)
         while len(results) < len(ids):
             out = self.manager.get_result(timeout=1)
             if out is None:
@@ -285,6 +289,8 @@ class EngineProbe:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
             if out.is_finished():
                 results[self.ids[out.request_id]] = out
+                bar.update(1)
+        bar.close()
         return results
 
     def reset(self) -> None:
@@ -305,7 +311,7 @@ def serve_engine(model, prompts, args, cb_config, warmup_prompts) -> Trace:
         probe.reset()
         trace = probe.trace
         trace.start, trace.cpu_start = time.perf_counter(), time.process_time()
-        results = probe.serve(prompts, args.new_tokens)
+        results = probe.serve(prompts, args.new_tokens, desc=args.progress)
         trace.end, trace.cpu_end = time.perf_counter(), time.process_time()
         trace.tokens = {i: list(out.generated_tokens) for i, out in results.items()}
         cache = probe.processor.cache
@@ -353,6 +359,7 @@ class StepStamps:
 def static(model, prompts, args, warmup_prompts) -> Trace:
     """``model.generate`` with ``DynamicCache`` on left-padded batches, each as large as fits the budget."""
     import torch
+    from tqdm import tqdm
     from transformers import DynamicCache, StoppingCriteriaList
 
     per_token = kv_bytes_per_token(model.config)
@@ -371,6 +378,7 @@ def static(model, prompts, args, warmup_prompts) -> Trace:
 
     generate(warmup_prompts, 4, StepStamps())
     trace = Trace(start=time.perf_counter(), cpu_start=time.process_time())
+    bar = tqdm(total=len(prompts), desc=args.progress, unit="request", disable=args.progress is None)
     for batch in batches:
         stamps = StepStamps()
         t, c = time.perf_counter(), time.process_time()
@@ -384,6 +392,8 @@ def static(model, prompts, args, warmup_prompts) -> Trace:
         for i, row in zip(batch, tokens):
             trace.first_token[i] = stamps.stamps[0][0]
             trace.tokens[i] = row
+        bar.update(len(batch))
+    bar.close()
     trace.end, trace.cpu_end = time.perf_counter(), time.process_time()
     longest = max(len(batch) * (max(len(prompts[i]) for i in batch) + args.new_tokens) for batch in batches)
     trace.engine = {"kv_budget_bytes": args.budget, "kv_bytes": longest * per_token, "batches": len(batches),
@@ -468,6 +478,7 @@ def worker(name: str, args) -> dict:
     skipped = missing_module(contender.needs)
     if skipped:
         return {"contender": name, "label": contender.label, "skipped": skipped}
+    args.progress = contender.label  # the label of the worker's progress bar
     model, tokenizer = load_smollm2(torch.float32, attn_implementation="sdpa")
     prompts = workload(tokenizer, args.requests, tuple(args.prompt_tokens), args.seed)
     warmup_prompts = workload(tokenizer, 2, (64, 64), args.seed + 1)
@@ -583,7 +594,7 @@ def main() -> None:
     rows = []
     jobs = [(r, name) for r in range(args.rounds) for name in args.contenders]
     for r, name in tqdm(jobs, desc="serving benchmark"):
-        row = {**run_worker(__file__, [name], options, env, name), "round": r}
+        row = {**run_worker(__file__, [name], options, env, name, show_stderr=True), "round": r}
         rows.append(row)
         if "skipped" in row:
             tqdm.write(f"{row['label']}: skipped ({row['skipped']})")

@@ -74,7 +74,7 @@ def serve_tiny(prompts, new_tokens, budget_blocks, page):
                                              attn_implementation="sdpa").eval()
     per_token = serving.kv_bytes_per_token(model.config)
     args = argparse.Namespace(new_tokens=new_tokens, threads=1, page_size=page, max_batch_tokens=256,
-                              budget=budget_blocks * page * per_token)
+                              budget=budget_blocks * page * per_token, progress=None)
     trace = serving.paged_fp(model, prompts, args, warmup_prompts=[[5] * 8, [6] * 8])
     return model, trace
 
