@@ -7,8 +7,9 @@ tokens each (EOS ignored: every request generates them all). All requests arrive
 Contenders (``CONTENDERS``; one entry each, a function that serves the workload and returns a :class:`Trace`):
 
 * ``paged_fp``: transformers' continuous batching (``init_continuous_batching``) with its own paged cache of fp32
-  pages, attention "sdpa"; ``num_blocks = budget // bytes per block`` (a block: ``page_size`` tokens of K and V
-  in every layer), checked against the blocks the engine built.
+  pages, attention "sdpa"; ``num_blocks = budget // bytes per block - 2`` (a block: ``page_size`` tokens of K and
+  V in every layer; the engine allocates two more for padding tokens, counted in the budget as the INT2 engine
+  counts its own), checked against the cache the engine built.
 * ``static``: ``model.generate`` with ``DynamicCache``, left-padded batches in arrival order, each as large as fits
   the budget (``batch * (longest prompt + new tokens) * fp32 K/V bytes per token <= budget``), batch after batch.
 * ``paged_int2_oscar``, ``paged_int2_scaled``: the same engine on INT2 pages through
@@ -48,6 +49,10 @@ from speedlib import add_shared_options, run_meta, run_worker, worker_env, write
 
 TEXTS = ("emma.txt", "sensesensibility.txt")  # the evaluation texts, never the calibration text
 FP32_BYTES = 4
+# transformers' paged cache allocates two blocks beyond num_blocks, never given to a request (padding tokens write
+# there); the budget holds them, as it holds the INT2 engine's
+ENGINE_RESERVED_BLOCKS = 2
+WARMUP_TOKENS = 640  # longer than every cache's sink and recent window: the warm-up reaches the INT2 body's kernels
 
 
 # ---------------------------------------------------------------------------------------------------- budget
@@ -60,11 +65,13 @@ def kv_bytes_per_token(config, element_bytes: int = FP32_BYTES) -> int:
 
 
 def paged_num_blocks(budget: int, page_size: int, bytes_per_token: int) -> int:
-    """The most blocks of ``page_size`` tokens (K and V of every layer) that fit ``budget`` bytes."""
-    blocks = budget // (page_size * bytes_per_token)
+    """The most blocks of ``page_size`` tokens (K and V of every layer) a paged cache can offer requests within
+    ``budget`` bytes, its ``ENGINE_RESERVED_BLOCKS`` included."""
+    blocks = budget // (page_size * bytes_per_token) - ENGINE_RESERVED_BLOCKS
     if blocks < 1:
         raise ValueError(f"a KV budget of {budget} bytes holds no block of {page_size} tokens "
-                         f"({page_size * bytes_per_token} bytes): raise --budget-mib or lower --page-size")
+                         f"({page_size * bytes_per_token} bytes) beside the engine's {ENGINE_RESERVED_BLOCKS} "
+                         "reserved ones: raise --budget-mib or lower --page-size")
     return blocks
 
 
@@ -300,6 +307,7 @@ class EngineProbe:
 def serve_engine(model, prompts, args, cb_config, warmup_prompts) -> Trace:
     """Serves ``prompts`` through transformers' continuous batching manager of ``model``, instrumented by
     :class:`EngineProbe`, after an untimed warm-up through the same manager; records the engine's KV cache."""
+    import torch
     from speedlib import cache_bytes
 
     manager = model.init_continuous_batching(generation_config=generation_config(args.new_tokens),
@@ -323,6 +331,8 @@ def serve_engine(model, prompts, args, cb_config, warmup_prompts) -> Trace:
         allocators = getattr(cache, "cache_allocators", {})
         if allocators:
             trace.engine["engine_bytes_per_block"] = sum(a.bytes_per_block for a in allocators.values())
+        if isinstance(getattr(cache, "cache_tensor", None), torch.Tensor):  # the engine's one arena of pages
+            trace.engine["engine_cache_tensor_bytes"] = cache.cache_tensor.nbytes
     finally:
         manager.stop(block=True)
         manager.destroy()
@@ -334,12 +344,14 @@ def paged_fp(model, prompts, args, warmup_prompts) -> Trace:
     per_token = kv_bytes_per_token(model.config)
     blocks = paged_num_blocks(args.budget, args.page_size, per_token)
     trace = serve_engine(model, prompts, args, engine_config(args, num_blocks=blocks), warmup_prompts)
-    built = trace.engine["engine_num_blocks"] * trace.engine["engine_bytes_per_block"]
-    if trace.engine["engine_bytes_per_block"] != args.page_size * per_token or built > args.budget:
-        raise RuntimeError(f"the engine built {trace.engine['engine_num_blocks']} blocks of "
-                           f"{trace.engine['engine_bytes_per_block']} bytes for {blocks} blocks of "
-                           f"{args.page_size * per_token} within a budget of {args.budget} bytes")
-    trace.engine.update({"kv_budget_bytes": args.budget, "kv_bytes": built, "requested_num_blocks": blocks})
+    engine = trace.engine
+    if (engine["engine_num_blocks"], engine["engine_bytes_per_block"]) != (blocks, args.page_size * per_token) \
+            or engine["engine_cache_tensor_bytes"] > args.budget:
+        raise RuntimeError(f"the engine built {engine['engine_num_blocks']} blocks of {engine['engine_bytes_per_block']} "
+                           f"bytes in {engine['engine_cache_tensor_bytes']} bytes for {blocks} blocks of "
+                           f"{args.page_size * per_token} bytes within a budget of {args.budget} bytes")
+    engine.update({"kv_budget_bytes": args.budget, "kv_bytes": engine["engine_cache_tensor_bytes"],
+                   "requested_num_blocks": blocks})
     return trace
 
 
@@ -364,15 +376,14 @@ def static(model, prompts, args, warmup_prompts) -> Trace:
 
     per_token = kv_bytes_per_token(model.config)
     batches = static_batches([len(p) for p in prompts], args.new_tokens, args.budget, per_token)
-    gen = generation_config(args.new_tokens)
 
     def generate(rows: list[list[int]], new_tokens: int, stamps: StepStamps):
         width = max(len(r) for r in rows)
         ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen,
-                                 max_new_tokens=new_tokens, past_key_values=DynamicCache(config=model.config),
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config(new_tokens),
+                                 past_key_values=DynamicCache(config=model.config),
                                  stopping_criteria=StoppingCriteriaList([stamps]))
         return out[:, width:].tolist()
 
@@ -410,15 +421,21 @@ def paged_int2(make_template: Callable, **engine_options) -> Callable:
     def serve(model, prompts, args, warmup_prompts) -> Trace:
         from hf_kvint2.serving import disable_paged_int2, enable_paged_int2
 
-        enable_paged_int2(model, make_template(model), kv_budget_bytes=args.budget, **engine_options)
+        layout = enable_paged_int2(model, make_template(model), kv_budget_bytes=args.budget, **engine_options)
         try:
             trace = serve_engine(model, prompts, args, engine_config(args), warmup_prompts)
         finally:
             disable_paged_int2(model)
-        trace.engine.update({"kv_budget_bytes": args.budget, "engine_options": engine_options})
+        trace.engine.update({"kv_budget_bytes": args.budget, "engine_options": engine_options,
+                             **{f"layout_{name}": getattr(layout, name) for name in LAYOUT_FIELDS
+                                if hasattr(layout, name)}})
         return trace
 
     return serve
+
+
+# how the INT2 engine split the budget (hf_kvint2.serving.PagedLayout), recorded with its results
+LAYOUT_FIELDS = ("window_slots", "window_bytes", "num_blocks", "bytes_per_block", "page_tokens")
 
 
 def oscar_template(model):
@@ -481,7 +498,8 @@ def worker(name: str, args) -> dict:
     args.progress = contender.label  # the label of the worker's progress bar
     model, tokenizer = load_smollm2(torch.float32, attn_implementation="sdpa")
     prompts = workload(tokenizer, args.requests, tuple(args.prompt_tokens), args.seed)
-    warmup_prompts = workload(tokenizer, 2, (64, 64), args.seed + 1)
+    warm = min(WARMUP_TOKENS, args.prompt_tokens[0])  # the shortest prompt fits every contender's budget
+    warmup_prompts = workload(tokenizer, 2, (warm, warm), args.seed + 1)
     with torch.no_grad():  # the first forward materializes ~500 MiB of the model's own: not the contender's
         model(input_ids=torch.tensor(warmup_prompts[0][:8])[None], use_cache=False)
     sampler = RssSampler()

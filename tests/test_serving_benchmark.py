@@ -24,7 +24,7 @@ def test_kv_bytes_per_token_counts_k_and_v_of_every_layer():
     assert serving.kv_bytes_per_token(config, element_bytes=2) == 2 * 2 * 2 * 16 * 2
 
 
-def test_paged_num_blocks_is_what_transformers_builds_within_the_budget():
+def test_paged_num_blocks_is_what_transformers_builds_within_the_budget():  # its reserved blocks included
     from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -32,21 +32,22 @@ def test_paged_num_blocks_is_what_transformers_builds_within_the_budget():
 
     config = tiny_config("llama")
     per_token, page = serving.kv_bytes_per_token(config), 16
-    budget = 10 * page * per_token + page * per_token - 1  # one byte short of 11 blocks
+    budget = 12 * page * per_token + page * per_token - 1  # one byte short of 13 blocks
     blocks = serving.paged_num_blocks(budget, page, per_token)
-    assert blocks == 10
+    assert blocks == 12 - serving.ENGINE_RESERVED_BLOCKS
     cb = resolve_continuous_batching_config(config, ContinuousBatchingConfig(page_size=page, num_blocks=blocks,
                                                                              max_batch_tokens=64), None, False,
                                             device=torch.device("cpu"))
     cache = PagedAttentionCache(config, cb, "cpu", DistributedHelper(None, None), dtype=torch.float32)
     assert sum(a.bytes_per_block for a in cache.cache_allocators.values()) == page * per_token
     assert cache.num_blocks == blocks
-    assert cache.num_blocks * page * per_token <= budget
+    assert cache.cache_tensor.nbytes == (blocks + serving.ENGINE_RESERVED_BLOCKS) * page * per_token <= budget
 
 
 def test_paged_num_blocks_refuses_a_budget_below_one_block():
     with pytest.raises(ValueError, match="holds no block of 16 tokens"):
-        serving.paged_num_blocks(16 * 512 - 1, 16, 512)
+        serving.paged_num_blocks((1 + serving.ENGINE_RESERVED_BLOCKS) * 16 * 512 - 1, 16, 512)
+    assert serving.paged_num_blocks((1 + serving.ENGINE_RESERVED_BLOCKS) * 16 * 512, 16, 512) == 1
 
 
 def test_static_batches_are_the_largest_that_fit_in_arrival_order():
@@ -73,8 +74,9 @@ def serve_tiny(prompts, new_tokens, budget_blocks, page):
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32,
                                              attn_implementation="sdpa").eval()
     per_token = serving.kv_bytes_per_token(model.config)
-    args = argparse.Namespace(new_tokens=new_tokens, threads=1, page_size=page, max_batch_tokens=256,
-                              budget=budget_blocks * page * per_token, progress=None)
+    budget = (budget_blocks + serving.ENGINE_RESERVED_BLOCKS) * page * per_token
+    args = argparse.Namespace(new_tokens=new_tokens, threads=1, page_size=page, max_batch_tokens=256, budget=budget,
+                              progress=None)
     trace = serving.paged_fp(model, prompts, args, warmup_prompts=[[5] * 8, [6] * 8])
     return model, trace
 
