@@ -58,6 +58,19 @@ def test_run_worker_returns_the_last_json_line_and_names_a_failing_case(tmp_path
         speedlib.run_worker(str(script), ["fail"], {}, env, "fail case")
 
 
+def test_run_worker_shows_the_workers_stderr_as_it_comes_and_keeps_it_for_a_failure(tmp_path, capfd):
+    script = tmp_path / "case.py"
+    script.write_text("import json, sys\n"
+                      "sys.stderr.write('step 1/2\\r\u2588 step 2/2\\n')\n"
+                      "if sys.argv[2] == 'fail':\n    sys.exit('broken case')\n"
+                      "print(json.dumps({'ok': True}))\n")
+    env = speedlib.worker_env(1, omp=False)
+    assert speedlib.run_worker(str(script), ["ok"], {}, env, "ok case", show_stderr=True) == {"ok": True}
+    assert capfd.readouterr().err == "step 1/2\r\u2588 step 2/2\n"
+    with pytest.raises(RuntimeError, match="fail case failed:\nstep 1/2\r\u2588 step 2/2\nbroken case"):
+        speedlib.run_worker(str(script), ["fail"], {}, env, "fail case", show_stderr=True)
+
+
 def test_worker_env_sets_thread_counts_before_the_worker_starts():
     env = speedlib.worker_env(2, omp=True, NUMBA_CACHE_DIR="/tmp/x")
     assert (env["NUMBA_NUM_THREADS"], env["OMP_NUM_THREADS"], env["NUMBA_CACHE_DIR"]) == ("2", "2", "/tmp/x")

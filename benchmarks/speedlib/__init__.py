@@ -272,17 +272,47 @@ def worker_env(threads: int, *, omp: bool, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str], label: str) -> dict:
+def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str], label: str, *,
+               show_stderr: bool = False) -> dict:
     """Run one case as ``script --worker ARGS OPTION VALUE ...`` in a fresh interpreter (so that its peak RSS, its
     compiled kernels and its thread pools are its own) and return the JSON row it prints last; on failure raise
-    with ``label`` and the end of its stderr."""
+    with ``label`` and the end of its stderr. ``show_stderr``: the worker's stderr also goes to this process's as it
+    comes (its progress bars, for cases that run for minutes)."""
     cmd = [sys.executable, script, "--worker", *map(str, worker_args)]
     for name, value in options.items():  # a list value: one argument per item (an nargs="+" option)
         cmd += [name, *map(str, value)] if isinstance(value, (list, tuple)) else [name, str(value)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if proc.returncode:
-        raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    if show_stderr:
+        returncode, stdout, stderr = _run_showing_stderr(cmd, env)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode:
+        raise RuntimeError(f"{label} failed:\n{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _run_showing_stderr(cmd: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    """``cmd``'s exit status, stdout and stderr, its stderr copied to ours chunk by chunk as it comes (a progress
+    bar redraws a line without ending it)."""
+    import codecs
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    decoder, seen = codecs.getincrementaldecoder("utf-8")(errors="replace"), []
+
+    def forward():
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            text = decoder.decode(chunk)
+            seen.append(text)
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    thread = threading.Thread(target=forward, daemon=True)
+    thread.start()
+    stdout = proc.stdout.read().decode("utf-8", errors="replace")
+    returncode = proc.wait()
+    thread.join()
+    return returncode, stdout, "".join(seen)
 
 
 def machine() -> str:
