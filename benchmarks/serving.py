@@ -15,8 +15,10 @@ Contenders (``CONTENDERS``; one entry each, a function that serves the workload 
 * ``paged_int2_oscar``, ``paged_int2_scaled``: the same engine on INT2 pages through
   ``hf_kvint2.serving.enable_paged_int2(model, cache, kv_budget_bytes=budget)`` with ``OscarCache`` (the shipped
   SmolLM2 calibration) or ``OscarScaledCache`` as the template. Skipped, with a message and no numbers, where
-  ``hf_kvint2.serving`` is not importable. :func:`paged_int2` forwards keyword arguments to ``enable_paged_int2``,
-  so the engine with quantization off is one more entry once the engine has that setting.
+  ``hf_kvint2.serving`` is not importable. :func:`paged_int2` forwards keyword arguments to ``enable_paged_int2``.
+* ``engine_unquantized``: the same engine with quantization off (``OscarScaledCache`` with a recent window longer
+  than any request: every token stays at full precision in its request's window slot), a full-precision contender
+  that separates the gain of INT2 from the gain of the engine.
 
 Reported per contender, each in a fresh worker process (its RSS its own) after an untimed warm-up of two short
 requests through the same engine: end-to-end generated tokens/s (all generated tokens / wall time from submitting
@@ -414,14 +416,14 @@ def static(model, prompts, args, warmup_prompts) -> Trace:
 
 
 def paged_int2(make_template: Callable, **engine_options) -> Callable:
-    """A contender serving through the engine on INT2 pages: ``enable_paged_int2(model, make_template(model),
+    """A contender serving through the engine on INT2 pages: ``enable_paged_int2(model, make_template(model, args),
     kv_budget_bytes=budget, **engine_options)``, then the same manager and settings as ``paged_fp`` except the
     budget, which the engine takes in bytes."""
 
     def serve(model, prompts, args, warmup_prompts) -> Trace:
         from hf_kvint2.serving import disable_paged_int2, enable_paged_int2
 
-        layout = enable_paged_int2(model, make_template(model), kv_budget_bytes=args.budget, **engine_options)
+        layout = enable_paged_int2(model, make_template(model, args), kv_budget_bytes=args.budget, **engine_options)
         try:
             trace = serve_engine(model, prompts, args, engine_config(args), warmup_prompts)
         finally:
@@ -438,16 +440,25 @@ def paged_int2(make_template: Callable, **engine_options) -> Callable:
 LAYOUT_FIELDS = ("window_slots", "window_bytes", "num_blocks", "bytes_per_block", "page_tokens")
 
 
-def oscar_template(model):
+def oscar_template(model, args):
     from hf_kvint2.demo import make_oscar_cache
 
     return make_oscar_cache(model)
 
 
-def scaled_template(model):
+def scaled_template(model, args):
     from hf_kvint2 import OscarScaledCache
 
     return OscarScaledCache(config=model.config)
+
+
+def unquantized_template(model, args):
+    """The same engine with quantization off: a recent window longer than any request, so no token is ever
+    demoted to INT2 and every request's K/V stays at full precision in its window slot (the slots, sized by the
+    budget, then hold few requests)."""
+    from hf_kvint2 import OscarScaledCache
+
+    return OscarScaledCache(config=model.config, recent_tokens=args.prompt_tokens[1] + args.new_tokens)
 
 
 @dataclass(frozen=True)
@@ -465,6 +476,8 @@ CONTENDERS = {
                                   needs="hf_kvint2.serving"),
     "paged_int2_scaled": Contender("CB, INT2 pages (OscarScaledCache)", False, paged_int2(scaled_template),
                                    needs="hf_kvint2.serving"),
+    "engine_unquantized": Contender("CB, the INT2 engine with quantization off", True,
+                                    paged_int2(unquantized_template), needs="hf_kvint2.serving"),
 }
 
 
