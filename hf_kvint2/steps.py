@@ -26,7 +26,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .backends import select_body_partial
 from .quant import to_model_dtype, tracing
 from .read_path import attend_segments, step_mask
-from .stream import QuantizedBody
 
 PORTABLE_PATH_WARNING = (
     "hf_kvint2: this Oscar cache is read through the portable attention path, which dequantizes the layer's whole "
@@ -135,10 +134,13 @@ class LayerStep(_Step):
     def seq_len(self) -> int:
         return self.sink_k.shape[-2] + self.body_tokens + self.tail_k.shape[-2]
 
-    def batch_key(self) -> tuple:
-        """Steps with equal keys can be attended in one call (:func:`decode_batch`): the same codecs (rotations,
-        means, layouts) for keys and values, the same sink length, dtype and device."""
-        codecs = []
+    def batch_key(self) -> tuple | None:
+        """Steps with equal keys can be attended in one call (:func:`decode_batch`): bodies in stores that gather
+        several at once (``gather_padded``), the same codecs (rotations, means, layouts) for keys and values, the
+        same sink length, dtype and device. None: this step is attended alone."""
+        if not hasattr(type(self.stores[0]), "gather_padded"):
+            return None
+        codecs = [type(self.stores[0])]
         for store in self.stores:
             c = store.codec
             codecs.append((id(c.rotation), id(c.mean), c.layout, c.group, c.scale_dtype, c.shard))
@@ -200,8 +202,10 @@ class PackedSteps:
         outs: list = [None] * len(self.parts)
         batches: dict[tuple, list[int]] = {}
         for i, (start, n, part) in enumerate(self.parts):
-            if n == 1 and isinstance(part, LayerStep) and part.body_tokens and not part.chunk_tail:
-                batches.setdefault(part.batch_key(), []).append(i)
+            key = part.batch_key() if n == 1 and isinstance(part, LayerStep) and part.body_tokens and \
+                not part.chunk_tail else None
+            if key is not None:
+                batches.setdefault(key, []).append(i)
             else:
                 outs[i] = self._attend_one(module, query[:, :, start:start + n], part, scaling)
         for members in batches.values():
@@ -241,21 +245,11 @@ def _padded(tensors: list[torch.Tensor], length: int, dim: int) -> torch.Tensor:
     return out
 
 
-def _padded_body(parts: list[QuantizedBody], n_body: int) -> QuantizedBody:
-    """Bodies of one codec, [1, ...] each, as one body of the longest's tokens ([G, ...], zero-padded)."""
-    b0 = parts[0]
-    rows = max(p.rows_for(n_body) for p in parts)
-    norm = None if b0.norm is None else _padded([p.norm[:, :p.tokens] for p in parts], n_body, 1)
-    return QuantizedBody(b0.codec, _padded([p.codes[:, :, :p.tokens] for p in parts], n_body, 2),
-                         _padded([p.scale[:, :, :p.rows_for(p.tokens)] for p in parts], rows, 2),
-                         _padded([p.lo[:, :, :p.rows_for(p.tokens)] for p in parts], rows, 2), norm, n_body)
-
-
 def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One decode step of several sequences in one call of the read path: query [G, Hq, 1, D] (row g: sequence
     g's new token), each sequence's :class:`LayerStep` (the same codecs and sink length: :meth:`LayerStep.batch_key`).
-    Bodies and recent windows are padded to the longest (bodies whose store gathers several at once,
-    ``gather_padded``, in one gather); the mask hides the padding. Returns [G, Hq, 1, D]."""
+    The bodies come from one gather of all their stores' pages (``gather_padded``: stores that stay in place), the
+    recent windows are padded to the longest; the mask hides the padding. Returns [G, Hq, 1, D]."""
     first = steps[0]
     n_body = max(s.body_tokens for s in steps)
     n_tail = max(s.tail_k.shape[2] for s in steps)
@@ -264,12 +258,8 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     sink_v = torch.cat([s.sink_v for s in steps])
     tail_k = _padded([s.tail_k for s in steps], n_tail, 2)
     tail_v = _padded([s.tail_v for s in steps], n_tail, 2)
-    gather = getattr(type(first.stores[0]), "gather_padded", None)
-    if gather is not None and all(type(store) is type(first.stores[0]) for s in steps for store in s.stores):
-        bodies = [gather([s.stores[i] for s in steps], [s.body_tokens for s in steps]) for i in (0, 1)]
-    else:
-        bodies = [_padded_body([getattr(s, which) for s in steps], n_body) for which in ("key_body", "value_body")]
-    n_body = bodies[0].tokens
+    gather = type(first.stores[0]).gather_padded
+    bodies = [gather([s.stores[i] for s in steps], [s.body_tokens for s in steps]) for i in (0, 1)]
     valid = torch.zeros(len(steps), 1, 1, n_sink + n_body + n_tail, dtype=torch.bool, device=query.device)
     valid[:, :, :, :n_sink] = True
     for g, s in enumerate(steps):

@@ -188,19 +188,7 @@ class PagedBody:
     def read(self, tokens: int | None = None) -> QuantizedBody:
         """The first ``tokens`` body tokens (default: all) as a :class:`QuantizedBody`: the request's pages gathered
         in token order with one copy each (INT2 bytes: an eighth of the float32 K/V they stand for)."""
-        n = self._tokens if tokens is None else tokens
-        p = self.arena.page_tokens
-        pages = max(1, -(-n // p))
-        ids = torch.tensor(self.block_ids[:pages], dtype=torch.long, device=self.codes.device)
-
-        def gathered(t: torch.Tensor) -> torch.Tensor:  # [H, blocks, rows, cols] -> [1, H, pages * rows, cols]
-            return t.index_select(1, ids).view(1, t.shape[0], -1, t.shape[-1])
-
-        codes = gathered(self.codes)
-        scale = gathered(self._scale_rows(self.scale))
-        lo = gathered(self._scale_rows(self.lo))
-        norm = None if self.norm is None else self.norm.index_select(0, ids).reshape(1, -1)
-        return QuantizedBody(self.codec, codes, scale, lo, norm, n)
+        return self.gather_padded([self], [self._tokens if tokens is None else tokens])
 
     @staticmethod
     def gather_padded(stores: list[PagedBody], tokens: list[int]) -> QuantizedBody:
