@@ -21,7 +21,7 @@ import contextlib
 import inspect
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -202,12 +202,76 @@ def cache_bits_per_element(cache: Cache, config, batch_size: int) -> float:
     return 8 * total_bytes / elements
 
 
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The model's decoder layers in order (``model.get_decoder().layers``), or None where it has no such list."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    count = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "num_hidden_layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) == count else None
+
+
+class LayerReplay:
+    """A method's first decoder layers as one run computed them, replayed into another method's run.
+
+    While :meth:`recording`, every chunk's forward keeps what each of the first ``depth`` layers returned and the
+    K/V it stored (its cache's ``update`` calls). While :meth:`replaying` ``n`` layers, those layers do not run:
+    each stores the recorded K/V into the cache it is given and returns its recorded output. Where the caches'
+    first ``n`` layers have the same recipes as the recorded run's, they end in the same state and layer ``n``
+    gets the same input, so the logits are the ones a full run computes, without the cost of its first layers."""
+
+    def __init__(self, layers: torch.nn.ModuleList, depth: int):
+        self.layers, self.depth = layers, depth
+        self.chunk = 0  # the chunk being run (set by the caller before each forward)
+        self.outputs: dict[tuple[int, int], object] = {}
+        self.stored: dict[tuple[int, int], list] = {}
+
+    @contextlib.contextmanager
+    def recording(self, cache: Cache):
+        def update(key, value, layer_idx, *args, **kwargs):
+            if layer_idx < self.depth:
+                self.stored.setdefault((self.chunk, layer_idx), []).append((key, value, args, kwargs))
+            return original_update(key, value, layer_idx, *args, **kwargs)
+
+        def keep_output(idx):
+            return lambda module, args, output: self.outputs.__setitem__((self.chunk, idx), output)
+
+        original_update = cache.update
+        cache.update = update
+        hooks = [layer.register_forward_hook(keep_output(idx)) for idx, layer in enumerate(self.layers[:self.depth])]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            del cache.update
+
+    @contextlib.contextmanager
+    def replaying(self, n: int):
+        def replay(idx):
+            def forward(hidden_states, *args, **kwargs):
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))
+                for key, value, update_args, update_kwargs in self.stored.get((self.chunk, idx), ()):
+                    cache.update(key, value, idx, *update_args, **update_kwargs)
+                return self.outputs[self.chunk, idx]
+            return forward
+
+        layers = self.layers[:min(n, self.depth)]
+        for idx, layer in enumerate(layers):
+            layer.forward = replay(idx)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                del layer.forward
+
+
 # ---------------------------------------------------------------------------------------------------- perplexity
 @torch.no_grad()
 def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod], prefill: int = 512,
                        chunk: int = 32, progress: bool = True, score_every: int = 1,
                        checkpoint: Callable[[dict[str, tuple[int, PerplexityResult]]], None] | None = None,
-                       checkpoint_every: int = 64) -> dict[str, PerplexityResult]:
+                       checkpoint_every: int = 64,
+                       same_first_layers: Mapping[str, int] | None = None) -> dict[str, PerplexityResult]:
     """Chunked teacher-forced decode perplexity of every method on ``windows`` [W, T].
 
     Per window: the first ``prefill`` tokens go into a fresh cache in one forward (not scored); the remaining
@@ -223,6 +287,11 @@ def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod],
     ``checkpoint(partial)`` is called every ``checkpoint_every`` chunks with ``{method key: (position, result)}``:
     the methods done (position: the window's end) and the one running, over the positions it has scored so far
     (spans up to ``position``; bits/element left out), so that a long run that is stopped keeps what it measured.
+
+    ``same_first_layers={key: n}``: method ``key``'s cache has the same recipes as the first method's in layers
+    0 .. n-1, so those layers compute what they computed in the first method's run: they are not run again, only
+    fed the K/V that run stored (:class:`LayerReplay`; the same logits, e.g. calibration's check of one layer's
+    choice at a time). Batched methods only; a model without a plain list of decoder layers runs them all.
     """
     n_win, window = windows.shape
     check_protocol(window, prefill, chunk)
@@ -234,33 +303,59 @@ def chunked_perplexity(model, windows: torch.Tensor, methods: list[CacheMethod],
     first_nll = token_nll(first_logits, windows[:, prefill])
     steps = range(prefill, window, chunk)
     results = {}
+    same_first_layers = same_first_layers or {}
+    replay = _layer_replay(model, methods, same_first_layers)
     with oscar_attention(model):
         for method in methods:
             caches = method_caches(method, model.config, n_win, kv)
             nll = torch.zeros(n_win, window, dtype=torch.float64)  # by the position of the predicted token
             nll[:, prefill] = first_nll
-            for done, start in enumerate(tqdm(steps, desc=f"perplexity: {method.name} ({n_win} windows)",
-                                              disable=not progress), 1):
-                stop = min(start + chunk, window)
-                # the logit at chunk index j predicts position start + j + 1 (the last window token predicts nothing)
-                keep = torch.nonzero(is_scored[start + 1:stop + 1]).flatten()
-                positions = start + 1 + keep
-                extra = {} if score_every == 1 else {"logits_to_keep": keep}
-                for cache, rows in caches:
-                    logits = model(windows[rows, start:stop], **cache_kwarg(model, cache), use_cache=True,
-                                   **extra).logits
-                    if score_every == 1:
-                        logits = logits[:, :keep.numel()]
-                    nll[rows, positions] = token_nll(logits, windows[rows][:, positions])
-                    del logits
-                if checkpoint is not None and done % checkpoint_every == 0 and stop < window:
-                    partial = {key: (window, r) for key, r in results.items()}
-                    partial[method.key] = (stop + 1, _result(nll, is_scored, prefill, stop + 1))
-                    checkpoint(partial)
+            if replay is None:
+                mode = contextlib.nullcontext()
+            elif method is methods[0]:
+                mode = replay.recording(caches[0][0])
+            else:
+                mode = replay.replaying(same_first_layers.get(method.key, 0))
+            with mode:
+                for done, start in enumerate(tqdm(steps, desc=f"perplexity: {method.name} ({n_win} windows)",
+                                                  disable=not progress), 1):
+                    if replay is not None:
+                        replay.chunk = done
+                    stop = min(start + chunk, window)
+                    # the logit at chunk index j predicts position start + j + 1 (the last window token predicts
+                    # nothing)
+                    keep = torch.nonzero(is_scored[start + 1:stop + 1]).flatten()
+                    positions = start + 1 + keep
+                    extra = {} if score_every == 1 else {"logits_to_keep": keep}
+                    for cache, rows in caches:
+                        logits = model(windows[rows, start:stop], **cache_kwarg(model, cache), use_cache=True,
+                                       **extra).logits
+                        if score_every == 1:
+                            logits = logits[:, :keep.numel()]
+                        nll[rows, positions] = token_nll(logits, windows[rows][:, positions])
+                        del logits
+                    if checkpoint is not None and done % checkpoint_every == 0 and stop < window:
+                        partial = {key: (window, r) for key, r in results.items()}
+                        partial[method.key] = (stop + 1, _result(nll, is_scored, prefill, stop + 1))
+                        checkpoint(partial)
             bits = [cache_bits_per_element(cache, model.config, rows.stop - rows.start) for cache, rows in caches]
             results[method.key] = _result(nll, is_scored, prefill, window, sum(bits) / len(bits))
             del caches
     return results
+
+
+def _layer_replay(model, methods: list[CacheMethod], same_first_layers: Mapping[str, int]) -> LayerReplay | None:
+    """The :class:`LayerReplay` that ``same_first_layers`` asks for (None: every method runs every layer)."""
+    unknown = set(same_first_layers) - {m.key for m in methods[1:]}
+    if unknown:
+        raise ValueError(f"same_first_layers names {sorted(unknown)}, which are not methods after the first.")
+    depth = max(same_first_layers.values(), default=0)
+    layers = decoder_layers(model)
+    if depth <= 0 or layers is None:
+        return None
+    if not all(m.batched for m in methods if m is methods[0] or same_first_layers.get(m.key, 0) > 0):
+        raise ValueError("same_first_layers needs batched methods (one cache for all windows).")
+    return LayerReplay(layers, depth)
 
 
 def _result(nll: torch.Tensor, is_scored: torch.Tensor, prefill: int, end: int,

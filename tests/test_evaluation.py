@@ -148,6 +148,55 @@ def test_shared_prefill_replay_equals_a_real_prefill(tiny, windows):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("stack", ["llama", "gemma3"])
+def test_replayed_first_layers_give_the_losses_of_a_full_run(stack, windows):
+    """``same_first_layers``: a method whose first n layers have the first method's recipes is measured with those
+    layers replayed from the first method's run (they do not run again: only their caches are fed the K/V that run
+    stored). The losses are those of a full run, bit for bit, on a plain stack and on a Gemma 3-style one whose
+    replayed layer is a sliding window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from hf_kvint2 import GroupLayout
+
+    torch.manual_seed(0)
+    if stack == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2))
+        quantized = [0, 1, 2]
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, sliding_window=64, max_position_embeddings=1024,
+            layer_types=["sliding_attention", "full_attention", "full_attention"], attn_implementation="sdpa"))
+        quantized = [1, 2]
+    model.eval()
+    fitted = (GroupLayout("token", 32, 0.96), GroupLayout("token", 32, 0.92))
+    other = (GroupLayout("channel", 32, None), GroupLayout("token", 16, None))
+
+    def method(key, changed=None):
+        layouts = [(other if i == changed else fitted) if i in quantized else None for i in range(3)]
+        return _method(key, lambda cfg: OscarCache(config=cfg, sink_tokens=8, recent_tokens=32,
+                                                   layer_layouts=layouts))
+
+    methods = [method("fitted"), method("layer 1", changed=1), method("layer 2", changed=2)]
+    full = chunked_perplexity(model, windows, methods, prefill=128, chunk=32, progress=False)
+    calls = []
+    hooks = [layer.self_attn.register_forward_hook(lambda *_, i=i: calls.append(i))
+             for i, layer in enumerate(model.model.layers)]
+    replayed = chunked_perplexity(model, windows, methods, prefill=128, chunk=32, progress=False,
+                                  same_first_layers={"layer 1": 1, "layer 2": 2})
+    for hook in hooks:
+        hook.remove()
+    chunks = len(range(128, windows.shape[1], 32))
+    # each layer once in the shared prefill, then layer 0 in one method's chunks, layer 1 in two, layer 2 in three
+    assert [calls.count(i) for i in range(3)] == [1 + chunks, 1 + 2 * chunks, 1 + 3 * chunks]
+    for key in full:
+        assert replayed[key].nll_sum == full[key].nll_sum, key
+    assert full["layer 1"].nll_sum != full["fitted"].nll_sum  # the variants do differ
+    with pytest.raises(ValueError, match="not methods after the first"):
+        chunked_perplexity(model, windows, methods, 128, 32, progress=False, same_first_layers={"fitted": 1})
+
+
 def test_bits_per_element(tiny):
     cfg = tiny.config
     assert bits_at_length(FP, cfg, 512) == 32.0

@@ -57,9 +57,10 @@ def confirm_range_clips(choices: Sequence[LayerChoice | None], model, held_ids: 
     prefill, chunk = window // 4, max(1, window // 16)
     # The PyTorch body: a few chunks per variant, where the Numba kernel might first have to compile for this
     # head_dim (the same codes, another summation order).
+    # A variant differs from the fitted cache from its layer on: the layers before it are replayed, not run again.
     with cpu_body("torch"):
         results = chunked_perplexity(model, windows, [method(n, ch) for n, ch in variants.items()], prefill, chunk,
-                                     progress=progress)
+                                     progress=progress, same_first_layers={f"{i}:{kind}": i for i, kind in streams})
     nll = {n: math.log(r.perplexity) for n, r in results.items()}
     drop = [(i, kind) for i, kind in streams if nll[f"{i}:{kind}"] < nll["fitted"]]
     report = {"method": "held-back loss (chunked decode: prefill window/4, chunks window/16) of the calibrated "
