@@ -32,10 +32,11 @@ demo: $(SETUP_STAMP)
 	$(PY) -m hf_kvint2.demo $(ARGS)
 
 # Two pytest-xdist workers (the CI machine has two cores), each test file in one worker so that a module's model
-# loads once; TEST_WORKERS=0 runs in one process.
+# loads once, handed out in collection order (tests/conftest.py puts the longest files first); TEST_WORKERS=0 runs
+# in one process.
 TEST_WORKERS ?= 2
 test: $(SETUP_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 tests/ $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 tests/ $(ARGS)
 
 lint: $(SETUP_STAMP)
 	$(PY) -m ruff check .
