@@ -321,6 +321,56 @@ def test_precompiled_kernels_load_from_the_cache_with_the_same_bits(tmp_path):
     np.testing.assert_array_equal(outputs[0], outputs[1])
 
 
+_FIRST_CALL = """
+import sys
+import numpy as np
+from numba.core import event
+from hf_kvint2.cpu_kernels import finite
+from hf_kvint2.cpu_kernels.jit import first_call
+
+compiled = []
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"] is finite._count_nonfinite)
+
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Compiles())
+bits = np.zeros((1, 2, 3, 4), np.int16)
+print("ready", flush=True)
+sys.stdin.readline()
+count = first_call(("lock-test", "count_nonfinite"), finite._count_nonfinite, bits, bits, 0x7C00)
+print(any(compiled), count, flush=True)
+"""
+
+
+def test_processes_starting_together_compile_a_kernel_once(tmp_path):
+    """Two processes call the same uncompiled kernel at the same moment (an empty disk cache): one compiles it, the
+    other waits for that compile (``first_call``'s lock in the cache dir) and loads it, where without the lock both
+    would compile (test workers, tensor-parallel ranks, server workers starting together)."""
+    from hf_kvint2.cpu_kernels.jit import compile_lock
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _FIRST_CALL], env=env, cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        with compile_lock("lock-test-count_nonfinite"):  # held until both have been told to go
+            for proc in procs:
+                assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+            for proc in procs:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+        results = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), [err[-3000:] for _, err in results]
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in results)
+    assert lines == ["False 0", "True 0"], lines
+
+
 def test_precompile_lists_every_layout_of_the_shipped_artifacts():
     """The precompile command's list comes from the shipped artifacts themselves: every quantized layer's key and
     value layouts (their groups for the head_dim), and the default caches' at each head_dim."""

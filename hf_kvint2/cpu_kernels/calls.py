@@ -17,7 +17,7 @@ import torch
 from ..read_path import mask_to_additive
 from .bits import SCALE_KINDS
 from .ir import LANES
-from .jit import NUMBA, require_numba
+from .jit import NUMBA, first_call, require_numba
 from .kernel import Mask, Stream, Windows, make_kernel
 
 # Split-K (split_tokens): the body's tokens are split so that a step has work for every thread the kernel runs with,
@@ -136,7 +136,9 @@ def _run(threads: int, q, bias, rows: int, keys: Stream, values: Stream, windows
     if getattr(_numba_threads, "count", None) != threads:
         numba.set_num_threads(threads)
         _numba_threads.count = threads
-    kernel(q, bias, rows, keys, values, windows, mask, n, split, np.float32(scaling), whole, out, lse)
+    # the specialisation: head_dim and the scales' array types (int16 bits or float32)
+    first_call(("attend", q.shape[-1], keys.scale.dtype, values.scale.dtype), kernel, q, bias, rows, keys, values,
+               windows, mask, n, split, np.float32(scaling), whole, out, lse)
     if torch.get_num_threads() != torch_threads:  # both may use the OpenMP runtime: keep torch's setting
         torch.set_num_threads(torch_threads)
 

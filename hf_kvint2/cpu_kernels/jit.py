@@ -13,6 +13,7 @@ lanes: four query rows to a vector in the Numba loops, and the intrinsics of :mo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -47,6 +48,42 @@ def source_key() -> str:
 def cache_dir() -> str:
     """Where the compiled kernels are kept: ``NUMBA_CACHE_DIR``, else ``__pycache__`` next to these modules."""
     return os.environ.get("NUMBA_CACHE_DIR") or str(Path(__file__).parent / "__pycache__")
+
+
+@contextlib.contextmanager
+def compile_lock(name: str):
+    """Held around a kernel's first call in a process (:func:`first_call`): processes that start together (test
+    workers, tensor-parallel ranks, server workers) compile it once, the others wait here and then load it from the
+    disk cache. An exclusive lock on ``<cache dir>/<name>.lock``; nothing where there is no ``fcntl`` (Windows) or
+    the cache dir takes no file (read-only: Numba then caches elsewhere)."""
+    try:
+        import fcntl
+
+        os.makedirs(cache_dir(), exist_ok=True)
+        handle = open(os.path.join(cache_dir(), f"{name}.lock"), "a")  # noqa: SIM115 (closed below)
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_called: set = set()  # the keys first_call has called in this process
+
+
+def first_call(key: tuple, fn, *args):
+    """``fn(*args)``, the first time for ``key`` (what picks the compiled specialisation) under
+    :func:`compile_lock`, so that a compile another process is running is waited for and loaded, not repeated."""
+    if key in _called:
+        return fn(*args)
+    with compile_lock("-".join(map(str, key))):
+        result = fn(*args)
+    _called.add(key)
+    return result
 
 
 if NUMBA:
