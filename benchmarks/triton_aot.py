@@ -6,7 +6,7 @@
     python benchmarks/triton_aot.py --triton 3.6.0 --no-roofline --reuse benchmarks/results/triton_aot_triton3.6.0.json
                                                              # another Triton (pip --target, cached)
                                                              # -> results/triton_aot_triton3.6.0.json
-    python benchmarks/triton_aot.py --check benchmarks/results/triton_aot*.json --sample 4   # what CI runs
+    python benchmarks/triton_aot.py --check benchmarks/results/triton_aot*.json --sample 2   # what CI runs
     python benchmarks/triton_aot.py --filter bfloat16_d128 --arch 90 --out /tmp/aot   # a subset
 
 Configurations: ``hf_kvint2.kernels.aot.dispatch_configurations()`` (cache layouts x K/V dtype x head_dim x GQA); the

@@ -20,10 +20,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
-# The longest test files first (a few minutes each on the 2-core CI machine, slowest first): pytest-xdist hands files
-# to the workers in collection order, so the long ones start early and the two workers finish together. Order only:
-# every file still runs, the rest in their usual order.
-SLOWEST_FIRST = ("test_docs.py", "test_cpu_kernels.py", "test_attention.py", "test_perplexity.py", "test_hardening.py",
+# The longest test files first (one to four minutes each on the 2-core CI machine): pytest-xdist hands files to the
+# workers in collection order, so the long ones start early and the two workers finish together. The two that
+# compile the CPU kernels for the tiny models' and SmolLM2's head_dims in their own process lead, so that the docs'
+# examples, each run in a fresh interpreter, find them in the disk cache. Order only: every file still runs, the
+# rest in their usual order.
+SLOWEST_FIRST = ("test_cpu_kernels.py", "test_hardening.py", "test_docs.py", "test_attention.py", "test_perplexity.py",
                  "test_export.py", "test_hybrid.py", "test_export_smollm2.py", "test_distributed.py",
                  "test_triton_aot.py", "test_cache_contract.py")
 

@@ -182,12 +182,12 @@ def _aot_script():
 def test_every_dispatcher_configuration_compiled_for_sm80_and_sm90(tmp_path):
     """``benchmarks/triton_aot.py --check``: each committed report holds a successful compile of every
     specialisation of every ``aot.dispatch_configurations()`` entry on sm_80 and sm_90 for the kernels' current
-    source, and a sample (four per kernel and target) is recompiled now with the installed Triton in a fresh cache:
+    source, and a sample (two per kernel and target) is recompiled now with the installed Triton in a fresh cache:
     compared with the committed numbers when this Triton made a report, else compiled and checked to fit."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")  # compile for real, not from an earlier run's cache
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), "--check", *map(str, REPORTS),
-                          "--sample", "4", "--out", str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
+                          "--sample", "2", "--out", str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=1800, check=False)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "triton_aot_check.json").read_text())
