@@ -206,8 +206,9 @@ def decoder_layers(model) -> torch.nn.ModuleList | None:
     """The model's decoder layers in order (``model.get_decoder().layers``), or None where it has no such list."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
-    count = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "num_hidden_layers", None)
-    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) == count else None
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) != model_shape(model.config).num_layers:
+        return None
+    return layers
 
 
 class LayerReplay:
