@@ -23,6 +23,9 @@ import torch
 
 # Body tokens dequantized at a time by the PyTorch body backend (dynamic and static layers).
 BODY_BLOCK_TOKENS = 512
+# Body tokens dequantized at a time by :func:`body_partial_dense` (its float32 temporaries: batch x heads x this x
+# head_dim x 8 bytes).
+BODY_DENSE_BLOCK_TOKENS = 8192
 
 
 def mask_to_additive(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -254,6 +257,34 @@ def body_partial_blocked(q_rot, key_body, value_body, *, scaling, key_mean_logit
     out = torch.where(l > 0, acc / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(acc))
     lse = torch.where(l > 0, m + torch.log(l), torch.full_like(l, float("-inf")))
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+def body_partial_dense(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None,
+                       block_tokens: int = BODY_DENSE_BLOCK_TOKENS):
+    """The body partial for many query rows (a prefill chunk over a stored body): ``block_tokens`` body tokens at a
+    time dequantized (rotated space) and attended by :func:`dense_partial` (fused flash attention on CPU), the
+    blocks merged by log-sum-exp. A chunk's rows share every dequantized token, so this costs one dequantization per
+    token and matrix products, where a code-reading kernel decodes each token once per group of rows. Same
+    arguments and result as :func:`body_partial_blocked`; ``q . mu_K`` is the same for every token of a row, so it
+    moves the row's log-sum-exp and leaves its weights unchanged."""
+    n = key_body.tokens
+    add = mask_to_additive(mask)
+    align = math.lcm(*[s.group for s in (key_body, value_body) if s.layout.axis == "channel"] or [1])
+    block = max(align, (block_tokens // align) * align)
+    parts = []
+    for t0 in range(0, n, block):
+        t1 = min(n, t0 + block)
+        k = key_body.dequantize(t0, t1, rotated=True)
+        v = value_body.dequantize(t0, t1, rotated=True)
+        parts.append(dense_partial(q_rot, k, v, scaling, None if add is None else add[..., t0:t1], fused=True))
+    if not parts:  # an empty body: every row attends nothing
+        b, hq, lq, d = q_rot.shape
+        return q_rot.new_zeros(b, hq, lq, d, dtype=torch.float32), q_rot.new_full((b, hq, lq), float("-inf"),
+                                                                                    dtype=torch.float32)
+    out, lse = merge_partials(parts)
+    if key_mean_logits is not None:
+        lse = lse + scaling * key_mean_logits.float()
+    return out, lse
 
 
 def reference_body_partial(q_rot, key_body, value_body, *, scaling, key_mean_logits=None, mask=None):

@@ -238,9 +238,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3)])
+@pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (2, 3), (2, 40)])
 def test_body_kernels_agree(layout, groups, query_len):
-    """Every registered CPU body backend (blocked PyTorch, Numba) == the one dense reference, every stored layout."""
+    """Every registered CPU body backend (blocked PyTorch, Numba) == the one dense reference, every stored layout;
+    80 query rows per KV head: the Numba backend's long-chunk path (dequantized blocks, flash attention)."""
     check_body_backends(LAYOUTS[layout], 16, groups, query_len)
 
 
@@ -267,9 +268,10 @@ def check_body_backends(recipe, d, groups, query_len):
     kb, vb = layer.key_body.read(n_tokens), layer.value_body.read(n_tokens)
     ref = read_path.reference_body_partial(q, kb, vb, **args)
     blocked = read_path.body_partial_blocked(q, kb, vb, block_tokens=8, **args)
+    dense = read_path.body_partial_dense(q, kb, vb, block_tokens=8, **args)
     cpu = [b for b in backends.BODY_BACKENDS.values() if b.device_type == "cpu" and b.available()]
     assert cpu or not cpu_kernels.available()
-    for got in (blocked, *[b.run(q, kb, vb, **args) for b in cpu]):
+    for got in (blocked, dense, *[b.run(q, kb, vb, **args) for b in cpu]):
         torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
 
