@@ -179,6 +179,20 @@ def test_the_budget_is_split_between_window_slots_and_pages(model):
     assert 64 << 20 >= used > (64 << 20) - layout.bytes_per_block
 
 
+def test_window_slots_follow_the_expected_request_length(model):
+    """Without max_concurrent_requests, the slots are as many requests of expected_request_tokens as the budget
+    holds, windows and pages: longer requests, fewer slots and more pages."""
+    template, budget = OscarScaledCache(), 64 << 20
+    short, long = (plan_budget(model, template, budget, expected_request_tokens=n) for n in (512, 4096))
+    for layout, n in ((short, 512), (long, 4096)):
+        per_request = layout.window_bytes + -(-n // layout.page_tokens) * layout.bytes_per_block
+        assert layout.window_slots == budget // per_request
+        assert layout.num_blocks * layout.page_tokens >= layout.window_slots * (n - layout.page_tokens)
+    assert long.window_slots < short.window_slots and long.num_blocks > short.num_blocks
+    with pytest.raises(ValueError, match="expected_request_tokens must be a positive int"):
+        plan_budget(model, template, budget, expected_request_tokens=0)
+
+
 def test_untested_transformers_is_refused():
     with pytest.raises(RuntimeError, match="tested on transformers"):
         check_transformers_version("5.99.0")

@@ -24,8 +24,8 @@ from ..model_config import QUANTIZED, layer_plan, model_shape
 from .engine import OscarBatchingManager, PagedLayout, check_transformers_version
 from .pages import page_tokens_for
 
-# Tokens of a typical request when the number of window slots is not given: slots are sized so that the budget
-# holds that many requests of this length (windows and pages).
+# Tokens (prompt and generated) of a typical request, by default: without max_concurrent_requests, the window slots
+# are sized so that the budget holds as many requests of expected_request_tokens as it can (windows and pages).
 EXPECTED_REQUEST_TOKENS = 2048
 _ORIGINAL = "_hf_kvint2_original_init_continuous_batching"
 
@@ -47,11 +47,13 @@ def window_bytes(plan, recipes, heads: int, head_dim: int, dtype: torch.dtype,
 
 
 def plan_budget(model, cache: OscarCacheBase, kv_budget_bytes: int, *, max_concurrent_requests: int | None = None,
-                page_size: int | None = None) -> PagedLayout:
+                page_size: int | None = None,
+                expected_request_tokens: int = EXPECTED_REQUEST_TOKENS) -> PagedLayout:
     """How ``kv_budget_bytes`` is split between full-precision window slots and INT2 pages for ``model`` with the
     settings of ``cache`` (see the module docstring). ``max_concurrent_requests``: the window slots (default: as many
-    requests of ``EXPECTED_REQUEST_TOKENS`` tokens as the budget holds); ``page_size``: tokens per page (default:
-    the smallest multiple of the layers' demotion blocks that is at least 64)."""
+    requests of ``expected_request_tokens`` tokens, prompt and generated, as the budget holds: a slot without pages
+    for its request, or pages without a slot, hold no one); ``page_size``: tokens per page (default: the smallest
+    multiple of the layers' demotion blocks that is at least 64)."""
     if not isinstance(cache, OscarCacheBase):
         raise TypeError(f"cache must be an OscarCache or OscarScaledCache (its settings and calibration are used for "
                         f"every request), got {type(cache).__name__}.")
@@ -75,13 +77,16 @@ def plan_budget(model, cache: OscarCacheBase, kv_budget_bytes: int, *, max_concu
     page_bytes = PagedLayout.page_bytes(recipes, heads, head_dim, page_tokens)
     block_bytes = page_bytes * len(recipes)
     windows = window_bytes(plan, recipes, heads, head_dim, model.dtype, getattr(cache, "window_dtype", None))
-    per_request = windows + block_bytes * -(-EXPECTED_REQUEST_TOKENS // page_tokens)
+    if not isinstance(expected_request_tokens, int) or isinstance(expected_request_tokens, bool) or \
+            expected_request_tokens <= 0:
+        raise ValueError(f"expected_request_tokens must be a positive int (tokens), got {expected_request_tokens!r}.")
+    per_request = windows + block_bytes * -(-expected_request_tokens // page_tokens)
     minimum = windows + 3 * block_bytes  # one request's windows and one page, and the engine's two unused blocks
     if kv_budget_bytes < minimum:
         raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is too small for one request: its full-precision "
                          f"windows take {windows} bytes and one page of {page_tokens} tokens {block_bytes} bytes; "
                          f"the minimum is {minimum} bytes (a useful budget holds many requests: about "
-                         f"{per_request} bytes each at {EXPECTED_REQUEST_TOKENS} tokens).")
+                         f"{per_request} bytes each at {expected_request_tokens} tokens).")
     if max_concurrent_requests is None:
         slots = max(1, kv_budget_bytes // per_request)
     else:
@@ -100,12 +105,13 @@ def plan_budget(model, cache: OscarCacheBase, kv_budget_bytes: int, *, max_concu
 
 
 def enable_paged_int2(model, cache: OscarCacheBase, kv_budget_bytes: int, *,
-                      max_concurrent_requests: int | None = None, page_size: int | None = None) -> PagedLayout:
+                      max_concurrent_requests: int | None = None, page_size: int | None = None,
+                      expected_request_tokens: int = EXPECTED_REQUEST_TOKENS) -> PagedLayout:
     """Make ``model.init_continuous_batching`` (``generate_batch``, ``transformers serve``) run on INT2 pages with
     ``cache``'s settings, within ``kv_budget_bytes`` (:func:`plan_budget`). Returns the layout."""
     check_transformers_version()
     layout = plan_budget(model, cache, kv_budget_bytes, max_concurrent_requests=max_concurrent_requests,
-                         page_size=page_size)
+                         page_size=page_size, expected_request_tokens=expected_request_tokens)
     disable_paged_int2(model)
     original = model.init_continuous_batching
 
