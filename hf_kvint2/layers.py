@@ -235,8 +235,7 @@ class OscarLayer(CacheLayerMixin):
             self.recent_k.shape[-2] == 0 else 0
         before = (self.sink_k, self.sink_v, self.recent_k, self.recent_v)
         if to_sink:
-            self.sink_k = torch.cat([self.sink_k, key_states[:, :, :to_sink]], dim=-2)
-            self.sink_v = torch.cat([self.sink_v, value_states[:, :, :to_sink]], dim=-2)
+            self._append_sink(key_states[:, :, :to_sink], value_states[:, :, :to_sink])
         # the chunk's tokens after the sink's (no slices when there are none: every decode step)
         new_k, new_v = (key_states, value_states) if to_sink == 0 else \
             (key_states[:, :, to_sink:], value_states[:, :, to_sink:])
@@ -280,6 +279,12 @@ class OscarLayer(CacheLayerMixin):
             rest = n - n_recent
             self._new_recent_buffers(self.recent_k[:, :, :0], self.recent_v[:, :, :0], new_k[:, :, rest:],
                                      new_v[:, :, rest:])
+
+    def _append_sink(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+        """The sink = the sink then ``new_k``/``new_v`` (a layer whose windows live in preallocated storage, e.g. a
+        serving engine's window slots, writes them there)."""
+        self.sink_k = torch.cat([self.sink_k, new_k], dim=-2)
+        self.sink_v = torch.cat([self.sink_v, new_v], dim=-2)
 
     def _new_stream(self, kind: str, codec: StreamCodec) -> QuantizedStream:
         """The store of the ``kind`` ("key" / "value") body: a growing :class:`QuantizedStream` (a layer whose body
@@ -332,14 +337,23 @@ class OscarLayer(CacheLayerMixin):
             self._recent_buffers = None
             return
         bufs = []
-        for old, new in ((k, new_k), (v, new_v)):
-            buf = new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
+        for old, new in ((k, new_k), (v, new_v)):  # zeros past the window: every slot finite (recent_slots)
+            buf = new.new_zeros(new.shape[0], new.shape[1], cap, new.shape[3])
             buf[:, :, :old.shape[-2]] = old
             buf[:, :, old.shape[-2]:n] = new
             bufs.append(buf)
         view_k, view_v = bufs[0][:, :, :n], bufs[1][:, :, :n]
         self.recent_k, self.recent_v = view_k, view_v
         self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
+
+    def recent_slots(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first ``n`` token slots of the recent window's buffers (K, V [B, H, n, D]): the window, then finite
+        filler (zeros, or tokens that have left it), for a reader that masks past the window instead of copying it
+        into a padded tensor; None where the window is not held in such buffers or they are shorter."""
+        bufs = self._recent_buffers
+        if bufs is None or bufs[2] is not self.recent_k or bufs[0].shape[-2] < n:
+            return None
+        return bufs[0].narrow(2, 0, n), bufs[1].narrow(2, 0, n)
 
     def _whole_blocks(self, overflow: int) -> int:
         """Tokens that leave a window ``overflow`` tokens over its size: whole demotion blocks of them."""

@@ -256,16 +256,22 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     n_sink = first.sink_k.shape[2]
     sink_k = torch.cat([s.sink_k for s in steps])
     sink_v = torch.cat([s.sink_v for s in steps])
-    tail_k = _padded([s.tail_k for s in steps], n_tail, 2)
-    tail_v = _padded([s.tail_v for s in steps], n_tail, 2)
+    slots = [s.layer.recent_slots(n_tail) for s in steps]
+    if all(slot is not None for slot in slots):  # the windows' own buffers, filler masked: one copy, no zero fill
+        tail_k, tail_v = torch.cat([k for k, _ in slots]), torch.cat([v for _, v in slots])
+    else:
+        tail_k = _padded([s.tail_k for s in steps], n_tail, 2)
+        tail_v = _padded([s.tail_v for s in steps], n_tail, 2)
     gather = type(first.stores[0]).gather_padded
-    bodies = [gather([s.stores[i] for s in steps], [s.body_tokens for s in steps]) for i in (0, 1)]
-    valid = torch.zeros(len(steps), 1, 1, n_sink + n_body + n_tail, dtype=torch.bool, device=query.device)
-    valid[:, :, :, :n_sink] = True
-    for g, s in enumerate(steps):
-        valid[g, :, :, n_sink:n_sink + s.body_tokens] = True
-        valid[g, :, :, n_sink + n_body:n_sink + n_body + s.tail_k.shape[2]] = True
+    body_tokens = [s.body_tokens for s in steps]
+    bodies = [gather([s.stores[i] for s in steps], body_tokens) for i in (0, 1)]
+    # columns: sink (every row's), body (each row's first body_tokens), tail (each row's window)
+    col = torch.arange(n_sink + n_body + n_tail, device=query.device)
+    body_end = n_sink + torch.tensor(body_tokens, device=query.device)[:, None]
+    tail_end = n_sink + n_body + torch.tensor([s.tail_k.shape[2] for s in steps], device=query.device)[:, None]
+    valid = (col < body_end) | ((col >= n_sink + n_body) & (col < tail_end))
     mask = torch.zeros(valid.shape, dtype=torch.float32, device=query.device).masked_fill_(~valid, float("-inf"))
+    mask = mask[:, None, None, :]
     backend = select_body_partial(query.device)
     return attend_segments(query, [(sink_k, sink_v)], bodies[0], bodies[1], [(tail_k, tail_v)], scaling, backend,
                            mask, fused_dense=True)

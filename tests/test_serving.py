@@ -193,6 +193,29 @@ def test_window_slots_follow_the_expected_request_length(model):
         plan_budget(model, template, budget, expected_request_tokens=0)
 
 
+@needs_tested_engine
+def test_the_default_forward_keeps_activations_within_a_share_of_the_budget(model):
+    """Without max_batch_tokens, the engine's forwards take at most as many tokens as keep their activations within
+    ACTIVATION_SHARE of the KV budget (a multiple of 256 in [256, 8192]); a caller's setting stands."""
+    from hf_kvint2.serving.engine import ACTIVATION_SHARE, default_max_batch_tokens
+
+    text = model.config
+    per_token = 4 * (4 * text.hidden_size + 3 * text.intermediate_size)
+    for budget in (1 << 20, 64 << 20, 1 << 34):
+        layout = plan_budget(model, OscarScaledCache(), budget)
+        tokens = default_max_batch_tokens(model.config, layout)
+        assert tokens % 256 == 0 and 256 <= tokens <= 8192
+        assert tokens == 256 or tokens * per_token <= budget * ACTIVATION_SHARE < (tokens + 256) * per_token or \
+            tokens == 8192
+    layout = enable_paged_int2(model, OscarScaledCache(), kv_budget_bytes=64 << 20)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=2, eos_token_id=None, pad_token_id=0)
+    for config, want in ((ContinuousBatchingConfig(), default_max_batch_tokens(model.config, layout)),
+                         (ContinuousBatchingConfig(max_batch_tokens=300), 300)):
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=config)
+        assert manager.continuous_batching_config.max_batch_tokens == want
+        model.destroy_cached_continuous_batching_manager()
+
+
 def test_untested_transformers_is_refused():
     with pytest.raises(RuntimeError, match="tested on transformers"):
         check_transformers_version("5.99.0")

@@ -33,6 +33,7 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from ..attention import ATTN_IMPLEMENTATION
 from ..layers import OscarLayer
 from ..model_config import QUANTIZED, LayerPlan
+from ..quant import tracing
 from ..recipes import LayerRecipe
 from ..steps import DeferredKV, PackedSteps
 from ..window_layer import WindowLayer
@@ -112,29 +113,89 @@ class SharedTensors:
         return dataclasses.replace(codec, rotation=rotation, mean=mean)
 
 
+class WindowSlots:
+    """The quantized layers' full-precision windows of ``layout.window_slots`` requests, allocated once: per layer,
+    sink K/V [slots, H, sink, D] and recent-window K/V [slots, H, recent + demotion block, D] (the model's dtype).
+    A live request holds one slot; its layers write their sink and recent window there instead of allocating
+    buffers at every demotion, so a long-serving process does not scatter long-lived buffers among each step's
+    temporaries (the allocator then keeps memory that no one uses: RSS grows past the budget)."""
+
+    def __init__(self, layout: PagedLayout, device):
+        slots, h, d = layout.window_slots, layout.heads, layout.head_dim
+        lengths = {idx: (r.sink_tokens, r.sink_tokens, r.recent_tokens + r.demotion_block,
+                         r.recent_tokens + r.demotion_block) for idx, r in layout.recipes.items()}
+        # one allocation for all (freed whole when the engine goes, not kept by the allocator in pieces)
+        self.storage = torch.zeros(slots * h * d * sum(sum(n) for n in lengths.values()), dtype=layout.dtype,
+                                   device=device)
+        self.tensors, offset = {}, 0
+        for idx, parts in lengths.items():
+            views = []
+            for n in parts:
+                views.append(self.storage[offset:offset + slots * h * n * d].view(slots, h, n, d))
+                offset += slots * h * n * d
+            self.tensors[idx] = tuple(views)
+        self.free = list(range(slots - 1, -1, -1))
+
+    def take(self) -> int:
+        return self.free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def views(self, slot: int, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """Slot ``slot``'s (sink K, sink V, recent K, recent V) buffers of one layer, each [1, H, n, D]."""
+        return tuple(t[slot:slot + 1] for t in self.tensors[layer_idx])
+
+
 class PagedOscarLayer(OscarLayer):
     """An :class:`~hf_kvint2.layers.OscarLayer` of one request whose key and value bodies are
-    :class:`~hf_kvint2.serving.pages.PagedBody` stores over the request's blocks."""
+    :class:`~hf_kvint2.serving.pages.PagedBody` stores over the request's blocks, and whose sink and recent window
+    are the request's window slot (:class:`WindowSlots`)."""
 
     def __init__(self, recipe: LayerRecipe, layer_idx: int, arena: PageArena, block_ids: list[int],
-                 shared: SharedTensors):
-        self.arena, self.block_ids, self.shared = arena, block_ids, shared
+                 shared: SharedTensors, window: tuple[torch.Tensor, ...]):
+        self.arena, self.block_ids, self.shared, self.window = arena, block_ids, shared, window
         super().__init__(recipe, layer_idx)
         self.fused_attention = True  # read by the "oscar" attention: update() returns the step's placeholders
 
     def _new_stream(self, kind, codec):
         return PagedBody(self.shared.codec(codec), self.arena, self.layer_idx, kind, self.block_ids)
 
+    def _append_sink(self, new_k, new_v):
+        n0, n = self.sink_k.shape[-2], self.sink_k.shape[-2] + new_k.shape[-2]
+        buf_k, buf_v = self.window[0], self.window[1]
+        if n > buf_k.shape[-2] or new_k.dtype != buf_k.dtype:  # (left padding: a longer sink, allocated)
+            return super()._append_sink(new_k, new_v)
+        buf_k[:, :, n0:n], buf_v[:, :, n0:n] = new_k, new_v
+        self.sink_k, self.sink_v = buf_k[:, :, :n], buf_v[:, :, :n]
+
+    def _new_recent_buffers(self, k, v, new_k, new_v):
+        n = k.shape[-2] + new_k.shape[-2]
+        buf_k, buf_v = self.window[2], self.window[3]
+        if n > buf_k.shape[-2] or new_k.dtype != buf_k.dtype or tracing():
+            return super()._new_recent_buffers(k, v, new_k, new_v)
+        for old, new, buf in ((k, new_k, buf_k), (v, new_v, buf_v)):
+            if old.shape[-2]:  # the tokens kept are the slot's own later ones: moved through a copy (overlap)
+                buf[:, :, :old.shape[-2]] = old.clone() if old.untyped_storage().data_ptr() == \
+                    buf.untyped_storage().data_ptr() else old
+            buf[:, :, old.shape[-2]:n] = new
+        self.recent_k, self.recent_v = buf_k[:, :, :n], buf_v[:, :, :n]
+        self._recent_buffers = (buf_k, buf_v, self.recent_k, self.recent_v)
+
 
 class RequestKV:
-    """One request's cache layers, by model layer index: a :class:`PagedOscarLayer` for each quantized layer, a
-    :class:`~hf_kvint2.window_layer.WindowLayer` for each sliding-window layer."""
+    """One request's cache layers, by model layer index: a :class:`PagedOscarLayer` for each quantized layer (its
+    windows in window slot ``slot``), a :class:`~hf_kvint2.window_layer.WindowLayer` for each sliding-window
+    layer."""
 
-    def __init__(self, layout: PagedLayout, arena: PageArena, block_ids: list[int], shared: SharedTensors):
+    def __init__(self, layout: PagedLayout, arena: PageArena, block_ids: list[int], shared: SharedTensors,
+                 windows: WindowSlots):
         self.layers = []
+        self.slot = windows.take()
         for idx, plan in enumerate(layout.plan):
             if plan.storage == QUANTIZED:
-                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids, shared))
+                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids, shared,
+                                                   windows.views(self.slot, idx)))
             else:
                 self.layers.append(WindowLayer(sliding_window=plan.window, storage_dtype=layout.window_dtype))
 
@@ -180,6 +241,7 @@ class OscarPagedAttentionCache(PagedAttentionCache):
         super().__init__(*args, **kwargs)
         self.requests: dict[str, RequestKV] = {}
         self.shared = SharedTensors()
+        self.windows = WindowSlots(self.layout, self.device)
         self.peak_requests = 0
         self._batch: list[tuple[str, int, int]] = []  # (request id, past length, query length) of the next forward
         self._packed: list[tuple[RequestKV, int, int]] | None = None  # the forward's requests, token offsets
@@ -209,7 +271,8 @@ class OscarPagedAttentionCache(PagedAttentionCache):
             return False
         if new and not dry_run:
             block_ids = self.allocator.block_table[state.request_id]
-            self.requests[state.request_id] = RequestKV(self.layout, self.allocator.arena, block_ids, self.shared)
+            self.requests[state.request_id] = RequestKV(self.layout, self.allocator.arena, block_ids, self.shared,
+                                                        self.windows)
             self.peak_requests = max(self.peak_requests, len(self.requests))
         return True
 
@@ -231,10 +294,14 @@ class OscarPagedAttentionCache(PagedAttentionCache):
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         super().free_blocks(request_id, no_cache)
-        self.requests.pop(request_id, None)
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.windows.give_back(request.slot)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
+        for request in self.requests.values():
+            self.windows.give_back(request.slot)
         self.requests.clear()
 
     def prepare_fork_request(self, *args, **kwargs):
@@ -276,6 +343,23 @@ class OscarPagedAttentionCache(PagedAttentionCache):
         return DeferredKV.pair(PackedSteps(parts, key_states.shape[2]), like=key_states)
 
 
+# The share of the KV budget a forward's activations may take by default (max_batch_tokens, below).
+ACTIVATION_SHARE = 0.10
+
+
+def default_max_batch_tokens(config, layout: PagedLayout) -> int:
+    """Query tokens per forward when the caller sets none: as many as keep one forward's activations (a decoder
+    layer's widest live tensors: 4 of the hidden size and 3 of the MLP's, per token, in the model's dtype) within
+    ``ACTIVATION_SHARE`` of the KV budget, a multiple of 256 between 256 and 8192 (transformers' default). A memory
+    budget for KV means little if each forward of a long prompt chunk adds more than it."""
+    text = config.get_text_config()
+    item = torch.empty((), dtype=layout.dtype).element_size()
+    per_token = item * (4 * text.hidden_size + 3 * getattr(text, "intermediate_size", 4 * text.hidden_size))
+    budget = layout.window_slots * layout.window_bytes + (layout.num_blocks + 2) * layout.bytes_per_block
+    tokens = int(budget * ACTIVATION_SHARE) // per_token // 256 * 256
+    return min(max(tokens, 256), 8192)
+
+
 class OscarBatchingManager(continuous_api.ContinuousBatchingManager):
     """transformers' ``ContinuousBatchingManager`` running the ``"oscar"`` attention over
     :class:`OscarPagedAttentionCache`."""
@@ -288,6 +372,8 @@ class OscarBatchingManager(continuous_api.ContinuousBatchingManager):
         config.num_blocks = layout.num_blocks
         config.max_blocks_per_request = 0  # no block-table decode path: the "oscar" attention reads the pages
         config.allow_block_sharing = False
+        if config.max_batch_tokens is None:
+            config.max_batch_tokens = default_max_batch_tokens(model.config, layout)
         config.use_async_batching = False  # one batch prepared at a time (the cache reads the batch it prepared)
         config.use_cuda_graph = False
         config.cpu_offload_space = 0  # preempted requests are recomputed: their windows are not in the arena
