@@ -13,7 +13,8 @@ Contenders (``CONTENDERS``; one entry each, a function that serves the workload 
 * ``static``: ``model.generate`` with ``DynamicCache``, left-padded batches in arrival order, each as large as fits
   the budget (``batch * (longest prompt + new tokens) * fp32 K/V bytes per token <= budget``), batch after batch.
 * ``paged_int2_oscar``, ``paged_int2_scaled``: the same engine on INT2 pages through
-  ``hf_kvint2.serving.enable_paged_int2(model, cache, kv_budget_bytes=budget)`` with ``OscarCache`` (the shipped
+  ``hf_kvint2.serving.enable_paged_int2(model, cache, kv_budget_bytes=budget, expected_request_tokens=...)`` (the
+  window slots sized for the workload's mean request) with ``OscarCache`` (the shipped
   SmolLM2 calibration) or ``OscarScaledCache`` as the template. Skipped, with a message and no numbers, where
   ``hf_kvint2.serving`` is not importable. :func:`paged_int2` forwards keyword arguments to ``enable_paged_int2``.
 * ``engine_unquantized``: the same engine with quantization off (``OscarScaledCache`` with a recent window longer
@@ -168,6 +169,8 @@ class Trace:
     steps: list[Step] = field(default_factory=list)
     first_token: dict = field(default_factory=dict)  # request index -> perf_counter of its first token
     tokens: dict = field(default_factory=dict)  # request index -> generated token ids
+    forwards: dict = field(default_factory=dict)  # request id -> [(past length, query tokens)] of its forwards
+    request_ids: dict = field(default_factory=dict)  # request index -> the engine's request id
     preemptions: int = 0
     engine: dict = field(default_factory=dict)
 
@@ -239,6 +242,13 @@ class EngineProbe:
         def create_processor():
             processor = create()
             self.processor = processor
+            extend = processor.cache.extend_read_and_write_indices
+
+            def recorded_extend(request_id, past_length, query_length, *rest):  # the request's chunks, in order
+                self.trace.forwards.setdefault(request_id, []).append((past_length, query_length))
+                return extend(request_id, past_length, query_length, *rest)
+
+            processor.cache.extend_read_and_write_indices = recorded_extend
             offload = processor.offloading_manager.offload_requests
 
             def counted_offload():
@@ -330,6 +340,7 @@ def serve_engine(model, prompts, args, cb_config, warmup_prompts) -> Trace:
                         "engine_max_batch_tokens": getattr(cache, "max_batch_tokens", None),
                         "engine_threads": probe.engine_threads,
                         "attn_implementation": model.config._attn_implementation}
+        trace.request_ids = {i: request_id for request_id, i in probe.ids.items()}
         allocators = getattr(cache, "cache_allocators", {})
         if allocators:
             trace.engine["engine_bytes_per_block"] = sum(a.bytes_per_block for a in allocators.values())
@@ -415,20 +426,74 @@ def static(model, prompts, args, warmup_prompts) -> Trace:
     return trace
 
 
+NEAR_TIE = 1e-3  # a top-2 logit gap under this at the first differing token: a near-tie, not a wrong token
+
+
+def check_tokens(model, make_template, prompts, args, trace: Trace) -> dict:
+    """Each request served again alone, untimed, with a cache of its own from the same template, its prompt fed in
+    the chunks the engine ran it in (``trace.forwards``): its greedy tokens against the engine's. A difference is a
+    near-tie where the alone run's top-2 logit gap at the first differing token is under ``NEAR_TIE``. A request the
+    engine preempted (recomputed from its start) is counted apart."""
+    import torch
+    from tqdm import tqdm
+
+    model.set_attn_implementation("oscar")
+    counts = {"requests": len(prompts), "equal": 0, "near_tie": 0, "different": 0, "recomputed": 0,
+              "near_tie_limit": NEAR_TIE, "first_differences": []}
+    for i in tqdm(range(len(prompts)), desc="tokens vs generate alone", disable=args.progress is None):
+        forwards = trace.forwards.get(trace.request_ids[i], [])
+        pasts = [p for p, _ in forwards]
+        if pasts != sorted(pasts):
+            counts["recomputed"] += 1
+            continue
+        chunks = [n for p, n in forwards if p < len(prompts[i])]
+        cache, pos = make_template(model, args), 0
+        with torch.inference_mode():
+            for n in chunks:
+                logits = model(input_ids=torch.tensor([prompts[i][pos:pos + n]]),
+                               position_ids=torch.arange(pos, pos + n)[None], cache=cache).logits[0, -1]
+                pos += n
+            got, gap = trace.tokens[i], None
+            for j, token in enumerate(got):
+                top = logits.topk(2)
+                if int(top.indices[0]) != token:
+                    gap = float(top.values[0] - top.values[1])
+                    counts["first_differences"].append({"request": i, "token": j, "top2_gap": gap})
+                    break
+                if j + 1 < len(got):
+                    logits = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]),
+                                   cache=cache).logits[0, -1]
+                    pos += 1
+        if gap is None:
+            counts["equal"] += 1
+        else:
+            counts["near_tie" if gap < NEAR_TIE else "different"] += 1
+    return counts
+
+
+def mean_request_tokens(args) -> int:
+    """The workload's mean request length (prompt and generated tokens): what the INT2 engine sizes its window
+    slots for (``expected_request_tokens``), as a server is configured for the requests it expects."""
+    return (args.prompt_tokens[0] + args.prompt_tokens[1]) // 2 + args.new_tokens
+
+
 def paged_int2(make_template: Callable, **engine_options) -> Callable:
     """A contender serving through the engine on INT2 pages: ``enable_paged_int2(model, make_template(model, args),
-    kv_budget_bytes=budget, **engine_options)``, then the same manager and settings as ``paged_fp`` except the
-    budget, which the engine takes in bytes."""
+    kv_budget_bytes=budget, expected_request_tokens=mean_request_tokens(args), **engine_options)``, then the same
+    manager and settings as ``paged_fp`` except the budget, which the engine takes in bytes."""
 
     def serve(model, prompts, args, warmup_prompts) -> Trace:
         from hf_kvint2.serving import disable_paged_int2, enable_paged_int2
 
-        layout = enable_paged_int2(model, make_template(model, args), kv_budget_bytes=args.budget, **engine_options)
+        options = {"expected_request_tokens": mean_request_tokens(args), **engine_options}
+        layout = enable_paged_int2(model, make_template(model, args), kv_budget_bytes=args.budget, **options)
         try:
             trace = serve_engine(model, prompts, args, engine_config(args), warmup_prompts)
         finally:
             disable_paged_int2(model)
-        trace.engine.update({"kv_budget_bytes": args.budget, "engine_options": engine_options,
+        if args.check_tokens:
+            trace.engine["token_check"] = check_tokens(model, make_template, prompts, args, trace)
+        trace.engine.update({"kv_budget_bytes": args.budget, "engine_options": options,
                              **{f"layout_{name}": getattr(layout, name) for name in LAYOUT_FIELDS
                                 if hasattr(layout, name)}})
         return trace
@@ -604,6 +669,9 @@ def main() -> None:
                                                                "(default 256, transformers' default)")
     ap.add_argument("--max-batch-tokens", type=int, default=None,
                     help="query tokens per engine step (default: the engine's, 8192)")
+    ap.add_argument("--check-tokens", action="store_true",
+                    help="after serving, run each request of the INT2 contenders alone with a cache of its own "
+                         "(untimed) and count the requests whose greedy tokens equal the engine's")
     ap.add_argument("--rounds", type=int, default=1, help="runs of every contender, in turn (default 1)")
     ap.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     add_shared_options(ap, out_name="serving_cpu.json", threads_default=1, worker_metavar=("CONTENDER",))
@@ -622,6 +690,8 @@ def main() -> None:
                "--threads": args.threads}
     if args.max_batch_tokens is not None:
         options["--max-batch-tokens"] = args.max_batch_tokens
+    if args.check_tokens:
+        options["--check-tokens"] = True
     rows = []
     jobs = [(r, name) for r in range(args.rounds) for name in args.contenders]
     for r, name in tqdm(jobs, desc="serving benchmark"):

@@ -118,3 +118,31 @@ def test_probe_counts_the_requests_the_engine_preempts():
     assert trace.preemptions >= 1
     for i, prompt in enumerate(prompts):  # a preempted request is served again from its prompt and tokens
         assert trace.tokens[i] == greedy_alone(model, prompt, 10)
+
+
+def test_token_check_replays_each_request_alone_in_the_engines_chunks():
+    """--check-tokens: each request of an INT2 contender served again alone, its prompt in the chunks the engine ran
+    (prompts longer than max_batch_tokens are cut), its greedy tokens equal to the engine's."""
+    pytest.importorskip("hf_kvint2.serving")
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from hf_kvint2 import OscarScaledCache
+    from hf_kvint2.serving.engine import TESTED_TRANSFORMERS
+
+    if not any(transformers.__version__.startswith(v) for v in TESTED_TRANSFORMERS):
+        pytest.skip("the INT2 engine refuses this transformers version")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32,
+                                             attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (150, 90, 210)]
+    args = argparse.Namespace(new_tokens=6, threads=1, page_size=None, max_batch_tokens=128, budget=8 << 20,
+                              progress=None, prompt_tokens=[90, 210], check_tokens=True)
+    serve = serving.paged_int2(lambda model, args: OscarScaledCache(sink_tokens=4, recent_tokens=32))
+    trace = serve(model, prompts, args, warmup_prompts=[[5] * 8, [6] * 8])
+    check = trace.engine["token_check"]
+    assert check["equal"] == 3 and check["different"] == check["near_tie"] == check["recomputed"] == 0, check
+    chunks = [[n for p, n in trace.forwards[trace.request_ids[i]] if p < len(prompt)] for i, prompt in
+              enumerate(prompts)]
+    assert [sum(c) for c in chunks] == [150, 90, 210] and any(len(c) > 1 for c in chunks)

@@ -279,8 +279,11 @@ def run_worker(script: str, worker_args: list, options: dict, env: dict[str, str
     with ``label`` and the end of its stderr. ``show_stderr``: the worker's stderr also goes to this process's as it
     comes (its progress bars, for cases that run for minutes)."""
     cmd = [sys.executable, script, "--worker", *map(str, worker_args)]
-    for name, value in options.items():  # a list value: one argument per item (an nargs="+" option)
-        cmd += [name, *map(str, value)] if isinstance(value, (list, tuple)) else [name, str(value)]
+    for name, value in options.items():  # a list value: one argument per item (an nargs="+" option); True: a flag
+        if value is True:
+            cmd.append(name)
+        else:
+            cmd += [name, *map(str, value)] if isinstance(value, (list, tuple)) else [name, str(value)]
     if show_stderr:
         returncode, stdout, stderr = _run_showing_stderr(cmd, env)
     else:
