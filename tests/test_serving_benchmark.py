@@ -141,7 +141,7 @@ def test_token_check_replays_each_request_alone_in_the_engines_chunks():
                               progress=None, prompt_tokens=[90, 210], check_tokens=True)
     serve = serving.paged_int2(lambda model, args: OscarScaledCache(sink_tokens=4, recent_tokens=32))
     trace = serve(model, prompts, args, warmup_prompts=[[5] * 8, [6] * 8])
-    check = trace.engine["token_check"]
+    check = trace.check()
     assert check["equal"] == 3 and check["different"] == check["near_tie"] == check["recomputed"] == 0, check
     chunks = [[n for p, n in trace.forwards[trace.request_ids[i]] if p < len(prompt)] for i, prompt in
               enumerate(prompts)]
