@@ -287,12 +287,14 @@ def test_load_with_cancellations_leaks_nothing(model):
             answered[out.request_id] += 1
         cache = manager.batch_processor.cache
         free, total, live = cache.free_pages(), cache.num_blocks, len(cache.requests)
+        free_slots = sorted(cache.windows.free)
     finally:
         manager.stop(block=True)
     assert 40 <= len(cancelled) <= 80
     assert all(count == 1 for count in answered.values()), "a request was answered twice"
     assert set(answered) >= {f"r{r}_{i}" for r in range(6) for i in range(50)} - cancelled
     assert (free, live) == (total, 0), "pages or window slots leaked"
+    assert free_slots == list(range(cache.layout.window_slots)), "window slots leaked or given back twice"
     assert max(rss[2:]) <= 1.05 * rss[1], f"memory grew after warm-up: {rss}"
 
 
