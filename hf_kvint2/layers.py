@@ -336,15 +336,21 @@ class OscarLayer(CacheLayerMixin):
             self.recent_v = torch.cat([v, new_v], dim=-2)
             self._recent_buffers = None
             return
-        bufs = []
-        for old, new in ((k, new_k), (v, new_v)):  # zeros past the window: every slot finite (recent_slots)
-            buf = new.new_zeros(new.shape[0], new.shape[1], cap, new.shape[3])
-            buf[:, :, :old.shape[-2]] = old
+        bufs = self._window_buffers(new_k, n, cap)
+        for old, new, buf in ((k, new_k, bufs[0]), (v, new_v, bufs[1])):
+            if old.shape[-2]:  # kept tokens of the same buffer (storage reused in place) move through a copy
+                same = old.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+                buf[:, :, :old.shape[-2]] = old.clone() if same else old
             buf[:, :, old.shape[-2]:n] = new
-            bufs.append(buf)
         view_k, view_v = bufs[0][:, :, :n], bufs[1][:, :, :n]
         self.recent_k, self.recent_v = view_k, view_v
         self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
+
+    def _window_buffers(self, like: torch.Tensor, n: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers of ``cap`` (at least ``n``) token slots for the recent window, zeros past what is written
+        (every slot finite: :meth:`recent_slots`); a layer whose windows live in preallocated storage (a serving
+        engine's window slots) returns those."""
+        return tuple(like.new_zeros(like.shape[0], like.shape[1], cap, like.shape[3]) for _ in range(2))
 
     def recent_slots(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The first ``n`` token slots of the recent window's buffers (K, V [B, H, n, D]): the window, then finite

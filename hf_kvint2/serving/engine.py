@@ -33,7 +33,6 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from ..attention import ATTN_IMPLEMENTATION
 from ..layers import OscarLayer
 from ..model_config import QUANTIZED, LayerPlan
-from ..quant import tracing
 from ..recipes import LayerRecipe
 from ..steps import DeferredKV, PackedSteps
 from ..window_layer import WindowLayer
@@ -79,6 +78,11 @@ class PagedLayout:
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_page * len(self.quantized_layers)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The budget the layout uses: window slots and pages (with the engine's two unused blocks)."""
+        return self.window_slots * self.window_bytes + (self.num_blocks + 2) * self.bytes_per_block
 
     @staticmethod
     def page_bytes(recipes: dict[int, LayerRecipe], heads: int, head_dim: int, page_tokens: int) -> int:
@@ -169,18 +173,11 @@ class PagedOscarLayer(OscarLayer):
         buf_k[:, :, n0:n], buf_v[:, :, n0:n] = new_k, new_v
         self.sink_k, self.sink_v = buf_k[:, :, :n], buf_v[:, :, :n]
 
-    def _new_recent_buffers(self, k, v, new_k, new_v):
-        n = k.shape[-2] + new_k.shape[-2]
+    def _window_buffers(self, like, n, cap):
         buf_k, buf_v = self.window[2], self.window[3]
-        if n > buf_k.shape[-2] or new_k.dtype != buf_k.dtype or tracing():
-            return super()._new_recent_buffers(k, v, new_k, new_v)
-        for old, new, buf in ((k, new_k, buf_k), (v, new_v, buf_v)):
-            if old.shape[-2]:  # the tokens kept are the slot's own later ones: moved through a copy (overlap)
-                buf[:, :, :old.shape[-2]] = old.clone() if old.untyped_storage().data_ptr() == \
-                    buf.untyped_storage().data_ptr() else old
-            buf[:, :, old.shape[-2]:n] = new
-        self.recent_k, self.recent_v = buf_k[:, :, :n], buf_v[:, :, :n]
-        self._recent_buffers = (buf_k, buf_v, self.recent_k, self.recent_v)
+        if n > buf_k.shape[-2] or like.dtype != buf_k.dtype:
+            return super()._window_buffers(like, n, cap)
+        return buf_k, buf_v
 
 
 class RequestKV:
@@ -255,7 +252,7 @@ class OscarPagedAttentionCache(PagedAttentionCache):
 
     @property
     def free_window_slots(self) -> int:
-        return self.layout.window_slots - len(self.requests)
+        return len(self.windows.free)
 
     def free_pages(self) -> int:
         """Blocks not held by any request (free blocks of the allocator's sectors and whole free sectors)."""
@@ -355,8 +352,7 @@ def default_max_batch_tokens(config, layout: PagedLayout) -> int:
     text = config.get_text_config()
     item = torch.empty((), dtype=layout.dtype).element_size()
     per_token = item * (4 * text.hidden_size + 3 * getattr(text, "intermediate_size", 4 * text.hidden_size))
-    budget = layout.window_slots * layout.window_bytes + (layout.num_blocks + 2) * layout.bytes_per_block
-    tokens = int(budget * ACTIVATION_SHARE) // per_token // 256 * 256
+    tokens = int(layout.kv_bytes * ACTIVATION_SHARE) // per_token // 256 * 256
     return min(max(tokens, 256), 8192)
 
 
