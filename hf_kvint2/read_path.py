@@ -88,16 +88,25 @@ def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 
 def dense_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                  mask: torch.Tensor | None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask: torch.Tensor | None, fused: bool = False, causal: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` [B, Hq, Lq, D] over full-precision ``k``/``v`` [B, Hkv, n, D], GQA by grouping.
 
-    mask: additive fp32 broadcastable to [B, 1, Lq, n]. Returns ``(out [B, Hq, Lq, D] fp32, lse [B, Hq, Lq])``;
+    mask: additive fp32 broadcastable to [B, 1, Lq, n]. ``causal`` (instead of a mask): k/v are the queries' own
+    tokens (n == Lq), query i attends keys 0..i. Returns ``(out [B, Hq, Lq, D] fp32, lse [B, Hq, Lq])``;
     a row that attends nothing gives ``(0, -inf)``. ``fused``: on CPU, eagerly and without gradients, one fused
     flash-attention op instead of the separate ops (same result up to fp32 rounding; the static layers keep the
     separate ops, which their exported graphs reproduce bit for bit).
     """
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
+    if causal:
+        if mask is not None or k.shape[2] != lq:
+            raise ValueError(f"dense_partial(causal=True) attends the queries' own {lq} tokens without a mask; got "
+                             f"{k.shape[2]} keys{' and a mask' if mask is not None else ''}.")
+        if fused and _fused_cpu_eligible(q, k):
+            return _dense_partial_causal_fused_cpu(q, k, v, scaling)
+        mask = torch.full((lq, lq), float("-inf"), device=q.device).triu_(1)[None, None]
     if fused and _fused_cpu_eligible(q, k):
         return _dense_partial_fused_cpu(q, k, v, scaling, mask)
     q5 = q.float().reshape(b, hkv, hq // hkv, lq, d)
@@ -134,6 +143,18 @@ def _dense_partial_fused_cpu(q, k, v, scaling, mask):
         dead = torch.isneginf(m4).all(dim=-1)
         lse = lse.masked_fill(dead.expand_as(lse) if dead.dim() == lse.dim() else dead.squeeze(1), float("-inf"))
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+
+
+def _dense_partial_causal_fused_cpu(q, k, v, scaling):
+    """:func:`dense_partial` of a chunk over its own tokens with the fused kernel's causal rule (no mask; it skips
+    the blocks above the diagonal). Its causal rule needs one query row per position, so the chunk's K/V (Lq
+    tokens, small) are repeated to the query heads instead of grouping the queries."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.float(), v.float()
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.float(), k, v, 0.0, True, scale=scaling)
+    return out, lse
 
 
 def merge_partials(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,19 +198,31 @@ class BodyBackend:
 
 def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, value_body, after: Sequence[tuple],
                     scaling: float, backend: BodyBackend, mask: torch.Tensor | None = None, *,
-                    fused_dense: bool = False, **options) -> torch.Tensor:
+                    fused_dense: bool = False, own: tuple | None = None, **options) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over the ``before`` segments, the body and the ``after`` segments, in
     that order: the one composition of the read path.
 
     before / after: ``(k, v)`` full-precision segments [B, Hkv, n, D]. key_body / value_body:
     :class:`~hf_kvint2.stream.QuantizedBody` (their ``tokens`` are attended). mask: bool or additive over all the
-    columns in that order, broadcastable to [B, 1, Lq, columns] (:func:`step_mask`), or None. ``backend``
-    reads the body (with ``options``); where it offers the whole step in one call and serves this one
-    (:class:`BodyBackend`), that call is the step. ``fused_dense``: see :func:`dense_partial` (the dynamic layers'
-    eager step). Returns [B, Hq, Lq, D] in query.dtype.
+    columns in that order, broadcastable to [B, 1, Lq, columns] (:func:`step_mask`), or None. ``own``: the
+    queries' own ``(k, v)`` [B, Hkv, Lq, D], last, attended causally (a prefill chunk: every other column is
+    before every query, so a long chunk needs no mask at all). ``backend`` reads the body (with ``options``); where
+    it offers the whole step in one call and serves this one (:class:`BodyBackend`), that call is the step.
+    ``fused_dense``: see :func:`dense_partial` (the dynamic layers' eager step). Returns [B, Hq, Lq, D] in
+    query.dtype.
     """
     options = {**backend.options(query), **options}
-    if backend.layer_step is not None and len(before) <= 1 and len(after) == 1 and \
+    if own is not None and backend.layer_step is not None and backend.serves_layer_step(query, key_body):
+        # the one-call step takes one segment after the body and a mask over every column: the queries' own
+        # tokens join that segment under the causal rule
+        lq = query.shape[2]
+        cols = sum(k.shape[2] for k, _ in (*before, *after)) + key_body.tokens
+        rule = step_mask(None, range(cols, cols + lq), range(cols + lq), query.device)
+        mask = rule if mask is None else rule + torch.nn.functional.pad(mask_to_additive(mask), (0, lq))
+        after = [(torch.cat([*(k for k, _ in after), own[0]], dim=2), torch.cat([*(v for _, v in after), own[1]],
+                                                                                dim=2))]
+        own = None
+    if backend.layer_step is not None and own is None and len(before) <= 1 and len(after) == 1 and \
             backend.serves_layer_step(query, key_body):
         sink = before[0] if before else (after[0][0][:, :, :0], after[0][1][:, :, :0])
         return backend.layer_step(query, sink, key_body, value_body, after[0], scaling=scaling, mask=mask, **options)
@@ -215,6 +248,8 @@ def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, valu
     parts.append((vc.unrotate(out_rot, groups), lse))
     col += key_body.tokens
     attend_dense(after)
+    if own is not None:
+        parts.append(dense_partial(qf, own[0], own[1], scaling, None, fused_dense, causal=True))
     out, _ = merge_partials(parts)
     return out.to(query.dtype)
 

@@ -166,15 +166,23 @@ class LayerStep(_Step):
         Returns [B, Hq, Lq, D]."""
         total = self.seq_len
         lq = query.shape[2]
-        mask = None
-        if attention_mask is not None or is_causal:
-            mask = step_mask(attention_mask, range(total - lq, total), range(total), query.device)
         # With gradients enabled for the query: the differentiable PyTorch body reader (the body's codes are data,
         # with no gradient; README).
         backend = select_body_partial(query.device, differentiable=torch.is_grad_enabled() and query.requires_grad)
         # The body views the update took (not the layer's, which an offloading cache has moved away by now).
-        return attend_segments(query, [(self.sink_k, self.sink_v)], self.key_body, self.value_body,
-                               [(self.tail_k, self.tail_v)], scaling, backend, mask, fused_dense=True)
+        sink = [(self.sink_k, self.sink_v)]
+        if attention_mask is None and is_causal and lq > 1:
+            # A chunk: the tail's last lq tokens. Every sink, body and earlier window token precedes all of it, so
+            # only the chunk over itself is causal, and no [Lq, total] mask is built.
+            past = self.tail_k.shape[2] - lq
+            return attend_segments(query, sink, self.key_body, self.value_body,
+                                   [(self.tail_k[:, :, :past], self.tail_v[:, :, :past])], scaling, backend,
+                                   fused_dense=True, own=(self.tail_k[:, :, past:], self.tail_v[:, :, past:]))
+        mask = None
+        if attention_mask is not None or is_causal:
+            mask = step_mask(attention_mask, range(total - lq, total), range(total), query.device)
+        return attend_segments(query, sink, self.key_body, self.value_body, [(self.tail_k, self.tail_v)], scaling,
+                               backend, mask, fused_dense=True)
 
 
 class PackedSteps:

@@ -395,6 +395,47 @@ def test_numba_layer_step_matches_the_composition(layout, groups, query_len):
                                                               read_path.REFERENCE_BODY, dead), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
+@pytest.mark.parametrize("query_len", [2, 9, 40])
+def test_a_chunk_over_its_own_tokens_needs_no_mask(layout, query_len):
+    """A chunk attended as the queries' own tokens (``own``: causal among themselves, every other column before
+    them) == the composition with the chunk in the window after the body under the causal mask over all columns:
+    the dense reference body, the PyTorch one, the Numba body alone, the Numba whole-step call where it serves the
+    query (short chunks: it takes the chunk with the causal rule as a mask), and a model mask over the earlier
+    columns on top; GQA (the fused kernel's causal rule repeats the chunk's K/V per query head)."""
+    torch.manual_seed(5)
+    layer = OscarLayer(STEP_LAYOUTS[layout], 0)
+    layer.fused_attention = True
+    for n in (24, 16, query_len):
+        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
+    step = kv[0].step
+    total, past = step.seq_len, step.tail_k.shape[2] - query_len
+    assert step.body_tokens and past >= 0
+    kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
+    before = [(step.sink_k, step.sink_v)]
+    after, own = [(step.tail_k[:, :, :past], step.tail_v[:, :, :past])], (step.tail_k[:, :, past:],
+                                                                         step.tail_v[:, :, past:])
+    q = torch.randn(2, 6, query_len, 16)
+    causal = read_path.step_mask(None, range(past + total - step.tail_k.shape[2], total), range(total), q.device)
+    earlier = torch.zeros(2, 1, 1, total - query_len).masked_fill(torch.rand(2, 1, 1, total - query_len) > 0.7,
+                                                                  float("-inf"))
+    full_earlier = causal + torch.nn.functional.pad(earlier, (0, query_len))
+    backends_used = [read_path.REFERENCE_BODY, read_path.TORCH_BODY]
+    if cpu_kernels.available():
+        numba = backends.BODY_BACKENDS["numba"]
+        backends_used += [numba, dataclasses.replace(numba, serves_layer_step=lambda query, key_body: False)]
+    for mask, want_mask in ((None, causal), (earlier, full_earlier)):
+        want = read_path.attend_segments(q, before, kb, vb, [(step.tail_k, step.tail_v)], 0.3,
+                                         read_path.REFERENCE_BODY, want_mask)
+        for backend in backends_used:
+            for fused in (False, True):
+                got = read_path.attend_segments(q, before, kb, vb, after, 0.3, backend, mask, fused_dense=fused,
+                                                own=own)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="own"):
+        read_path.dense_partial(q, own[0][:, :, 1:], own[1][:, :, 1:], 0.3, None, causal=True)
+
+
 def test_step_mask_is_every_path_s_mask():
     """read_path.step_mask: causal in positions without a model mask (None where nothing is masked: a decode step),
     the model's columns at the keys' positions (a slice, or any order), slots that hold no position and keys outside
