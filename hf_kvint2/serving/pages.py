@@ -203,10 +203,13 @@ class PagedBody:
             own = store.block_ids[:max(1, -(-t // p))]
             ids.extend(own + [own[0]] * (pages - len(own)))
         ids = torch.tensor(ids, dtype=torch.long, device=first.codes.device)
-        g = len(stores)
+        g, heads, blocks = len(stores), first.codes.shape[0], first.codes.shape[1]
+        # rows of the [H * blocks, page] view in (request, head, page) order: the gather is the contiguous
+        # [G, H, tokens, ...] tensor the kernels read, in one copy
+        rows = (torch.arange(heads, device=ids.device)[None, :, None] * blocks + ids.view(g, 1, pages)).flatten()
 
         def gathered(t: torch.Tensor) -> torch.Tensor:  # [H, blocks, rows, cols] -> [G, H, pages * rows, cols]
-            return t.index_select(1, ids).view(t.shape[0], g, -1, t.shape[-1]).transpose(0, 1)
+            return t.reshape(heads * blocks, -1).index_select(0, rows).view(g, heads, -1, t.shape[-1])
 
         norm = None if first.norm is None else first.norm.index_select(0, ids).view(g, -1)
         return QuantizedBody(first.codec, gathered(first.codes), gathered(first._scale_rows(first.scale)),
