@@ -361,6 +361,13 @@ class OscarLayer(CacheLayerMixin):
             return None
         return bufs[0].narrow(2, 0, n), bufs[1].narrow(2, 0, n)
 
+    def shared_windows(self) -> tuple[tuple[torch.Tensor, ...], int] | None:
+        """Where the sink and the recent window live when they share tensors with other sequences' layers (a serving
+        engine's window slots): ``((sink K, sink V, recent K, recent V) [rows, H, n, D], this layer's row)``, the
+        sink filling its row and the window the first tokens of its row, finite filler after them; a reader masks
+        what a row does not hold instead of gathering the rows. None: this layer's windows are its own."""
+        return None
+
     def _whole_blocks(self, overflow: int) -> int:
         """Tokens that leave a window ``overflow`` tokens over its size: whole demotion blocks of them."""
         if overflow <= 0:

@@ -179,7 +179,9 @@ class BodyBackend:
     ``layer_step`` (optional): the whole step of :func:`attend_segments` in one call, ``layer_step(query, (sink k,
     v), key body, value body, (tail k, v), *, scaling, mask, **options)`` with ``mask`` over all columns, for the
     steps that ``serves_layer_step(query, key_body)`` accepts (one segment on each side of the body). It is called
-    only by :func:`attend_segments` and must give what the composition gives with the reference body."""
+    by :func:`attend_segments` and must give what the composition gives with the reference body. It also takes
+    ``window_rows`` / ``after_tokens`` (windows with rows of their own, read in place: see the Numba one), for
+    :func:`hf_kvint2.steps.decode_batch` over a serving engine's window slots."""
 
     name: str
     device_type: str | None

@@ -262,14 +262,6 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     n_body = max(s.body_tokens for s in steps)
     n_tail = max(s.tail_k.shape[2] for s in steps)
     n_sink = first.sink_k.shape[2]
-    sink_k = torch.cat([s.sink_k for s in steps])
-    sink_v = torch.cat([s.sink_v for s in steps])
-    slots = [s.layer.recent_slots(n_tail) for s in steps]
-    if all(slot is not None for slot in slots):  # the windows' own buffers, filler masked: one copy, no zero fill
-        tail_k, tail_v = torch.cat([k for k, _ in slots]), torch.cat([v for _, v in slots])
-    else:
-        tail_k = _padded([s.tail_k for s in steps], n_tail, 2)
-        tail_v = _padded([s.tail_v for s in steps], n_tail, 2)
     gather = type(first.stores[0]).gather_padded
     body_tokens = [s.body_tokens for s in steps]
     bodies = [gather([s.stores[i] for s in steps], body_tokens) for i in (0, 1)]
@@ -281,6 +273,23 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     mask = torch.zeros(valid.shape, dtype=torch.float32, device=query.device).masked_fill_(~valid, float("-inf"))
     mask = mask[:, None, None, :]
     backend = select_body_partial(query.device)
+    shared = [s.layer.shared_windows() for s in steps]
+    if backend.layer_step is not None and backend.serves_layer_step(query, bodies[0]) and \
+            all(w is not None and w[0] is shared[0][0] for w in shared):
+        # the windows where they live (a serving engine's window slots): each row reads its own, nothing copied
+        sink_k, sink_v, recent_k, recent_v = shared[0][0]
+        rows = torch.tensor([row for _, row in shared])
+        return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
+                                  scaling=scaling, mask=mask, window_rows=rows, after_tokens=n_tail,
+                                  **backend.options(query))
+    sink_k = torch.cat([s.sink_k for s in steps])
+    sink_v = torch.cat([s.sink_v for s in steps])
+    slots = [s.layer.recent_slots(n_tail) for s in steps]
+    if all(slot is not None for slot in slots):  # the windows' own buffers, filler masked: one copy, no zero fill
+        tail_k, tail_v = torch.cat([k for k, _ in slots]), torch.cat([v for _, v in slots])
+    else:
+        tail_k = _padded([s.tail_k for s in steps], n_tail, 2)
+        tail_v = _padded([s.tail_v for s in steps], n_tail, 2)
     return attend_segments(query, [(sink_k, sink_v)], bodies[0], bodies[1], [(tail_k, tail_v)], scaling, backend,
                            mask, fused_dense=True)
 

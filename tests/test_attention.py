@@ -395,6 +395,35 @@ def test_numba_layer_step_matches_the_composition(layout, groups, query_len):
                                                               read_path.REFERENCE_BODY, dead), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+def test_numba_layer_step_reads_windows_by_row():
+    """``window_rows``: windows with rows of their own (a serving engine's slots: more rows than the batch, in any
+    order, the recent window longer than a row holds) read in place == each batch row's own windows; a row index
+    outside the windows is refused."""
+    torch.manual_seed(6)
+    layer = OscarLayer(STEP_LAYOUTS["token keys, centred"], 0)
+    layer.fused_attention = True
+    for n in (24, 16, 1):
+        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
+    step = kv[0].step
+    kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
+    q = torch.randn(2, 4, 1, 16)
+    numba = backends.BODY_BACKENDS["numba"]
+    want = numba.layer_step(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v), scaling=0.3)
+    rows = torch.tensor([3, 0])
+    sink_k, sink_v = torch.randn(5, 2, step.sink_k.shape[2], 16), torch.randn(5, 2, step.sink_k.shape[2], 16)
+    n_tail = step.tail_k.shape[2]
+    tail_k, tail_v = torch.randn(5, 2, n_tail + 7, 16), torch.randn(5, 2, n_tail + 7, 16)
+    sink_k[rows], sink_v[rows], tail_k[rows, :, :n_tail], tail_v[rows, :, :n_tail] = (
+        step.sink_k, step.sink_v, step.tail_k, step.tail_v)
+    got = numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=rows,
+                           after_tokens=n_tail)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="window_rows"):
+        numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=torch.tensor([5, 0]),
+                         after_tokens=n_tail)
+
+
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
 @pytest.mark.parametrize("query_len", [2, 9, 40])
 def test_a_chunk_over_its_own_tokens_needs_no_mask(layout, query_len):

@@ -140,6 +140,44 @@ def test_each_request_equals_its_own_cache(model, method, requests, monkeypatch)
 
 
 @needs_tested_engine
+def test_decode_batches_read_the_window_slots_in_place(model, monkeypatch):
+    """A decode step of several requests reads their sinks and recent windows where they live (the engine's window
+    slots, by row) and equals the same step with the windows gathered and padded."""
+    import dataclasses
+
+    from hf_kvint2 import backends, cpu_kernels, steps
+    from hf_kvint2.serving.engine import PagedOscarLayer
+
+    if not cpu_kernels.available():
+        pytest.skip("needs numba (the kernel that reads windows by row)")
+    batch, in_place, numba = steps.decode_batch, [], backends.BODY_BACKENDS["numba"]
+
+    def by_row(*args, **kwargs):
+        by_row.rows += kwargs.get("window_rows") is not None
+        return numba.layer_step(*args, **kwargs)
+
+    by_row.rows = 0
+    monkeypatch.setitem(backends.BODY_BACKENDS, "numba", dataclasses.replace(numba, layer_step=by_row))
+
+    def checked(layer_steps, query, scaling):
+        before = by_row.rows
+        got = batch(layer_steps, query, scaling)
+        in_place.append(by_row.rows == before + 1)
+        with monkeypatch.context() as m:
+            m.setattr(PagedOscarLayer, "shared_windows", lambda self: None)
+            want = batch(layer_steps, query, scaling)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return got
+
+    monkeypatch.setattr(steps, "decode_batch", checked)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(60, 400))] for _ in range(6)]
+    serve(model, TEMPLATES["oscar"](), prompts, [12] * 6, budget=24 << 20, slots=6, max_batch_tokens=4096,
+          monkeypatch=monkeypatch)
+    assert in_place and all(in_place)
+
+
+@needs_tested_engine
 def test_a_request_longer_than_the_budget_fails_alone(model, monkeypatch):
     template = TEMPLATES["oscar_scaled"]()
     layout = plan_budget(model, template, 1 << 20, max_concurrent_requests=2)

@@ -88,30 +88,58 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     return out_t.reshape(b, hq, lq, d), lse_t.reshape(b, hq, lq)
 
 
-def layer_step_attention(query, before, key_body, value_body, after, *, scaling, mask=None, split=None):
+def layer_step_attention(query, before, key_body, value_body, after, *, scaling, mask=None, split=None,
+                         window_rows=None, after_tokens=None):
     """A whole attention step of a dynamic layer in one compiled call: ``query`` [B, Hq, Lq, D] (original space)
     over the full-precision window ``before`` = ``(k, v)`` [B, Hkv, n0, D] (the sink), the body's tokens and the
     window ``after`` (recent tokens and the current chunk), in that order; ``mask`` bool/additive over all of their
     tokens, broadcastable to [B, 1, Lq, n0 + body + n1], or None. The arithmetic of
     :func:`hf_kvint2.read_path.attend_segments` with :func:`body_attention` (fp32; another summation order), without
     its ~20 small PyTorch ops per layer, which cost more than the body itself at batch 1. Returns [B, Hq, Lq, D] in
-    the query's dtype. For decode steps and short chunks (see :func:`serves_layer_step`)."""
+    the query's dtype. For decode steps and short chunks (see :func:`serves_layer_step`).
+
+    ``window_rows`` (LongTensor [B]): the windows have rows of their own, W >= B of them (a serving engine's window
+    slots, read in place instead of gathered): batch row b reads window row ``window_rows[b]``, of ``after`` its
+    first ``after_tokens`` tokens (the mask hides what a row does not hold)."""
     threads = kernel_threads()
     b, hq, lq, d, n, hkv, rows, split = _call_shapes(query, key_body, value_body, split, threads)
     (k0, v0), (k1, v1) = before, after
-    n0, n1 = k0.shape[2], k1.shape[2]
+    n0 = k0.shape[2]
+    if window_rows is None:
+        n1, arrays, window_of = k1.shape[2], (_window_array(k1), _window_array(v1)), _batch_rows(b)
+    else:
+        n1, arrays, window_of = after_tokens, (_window_array(k1, whole=True), _window_array(v1, whole=True)), \
+            _checked_rows(window_rows, b, k0.shape[0], k1.shape[0])
+        if not 0 <= n1 <= k1.shape[2]:
+            raise ValueError(f"after_tokens={n1} must be within the windows' {k1.shape[2]} token slots.")
     q = _float32_array(query).reshape(b, hkv, rows, d)  # a copy only where the query is not contiguous
     mask_rows = _mask_rows(mask, b, n0 + n + n1)
     rot_k, mean_k, _ = _codec_arrays(key_body.codec)
     _, mean_v, rot_v_t = _codec_arrays(value_body.codec)
-    windows = Windows(_window_array(k0, whole=True), _window_array(v0, whole=True), _window_array(k1),
-                      _window_array(v1), n1, rot_k, mean_k, rot_v_t, mean_v)
+    windows = Windows(_window_array(k0, whole=True), _window_array(v0, whole=True), *arrays, n1, rot_k, mean_k,
+                      rot_v_t, mean_v, window_of)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
     _run(threads, q, _no_bias(), rows, _stream(key_body, b), _stream(value_body, b), windows,
          Mask(mask_rows.numpy(), n0, lq), n, split, scaling, True, out, lse)
     out = torch.from_numpy(out.reshape(b, hq, lq, d))
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+@functools.cache
+def _batch_rows(b: int) -> np.ndarray:
+    """Window rows 0 .. b-1: each batch row reads its own windows (shared: never written)."""
+    return np.arange(b, dtype=np.int64)
+
+
+def _checked_rows(window_rows: torch.Tensor, b: int, *window_batches: int) -> np.ndarray:
+    """``window_rows`` as the kernel's int64 array, after checking it names a row of every window for each batch
+    row (an index out of range would read outside the windows' memory)."""
+    rows = window_rows.detach().to("cpu", torch.int64).contiguous()
+    if rows.shape != (b,) or (b and (int(rows.min()) < 0 or int(rows.max()) >= min(window_batches))):
+        raise ValueError(f"window_rows must hold one window row (0 .. {min(window_batches) - 1}) for each of the "
+                         f"{b} batch rows; got {window_rows.tolist()}.")
+    return rows.numpy()
 
 
 def serves_layer_step(query, key_body) -> bool:
@@ -269,7 +297,7 @@ def _no_windows(d: int) -> Windows:
     """The layer step's inputs as zero-size stand-ins, for the body kernel (the same compiled kernel)."""
     window, matrix = np.zeros((1, 1, 0, d), np.float32), np.zeros((d, d), np.float32)
     return Windows(window, window, window, window, 0, matrix, np.zeros((0, d), np.float32), matrix,
-                   np.zeros((0, d), np.float32))
+                   np.zeros((0, d), np.float32), _batch_rows(0))
 
 
 @functools.cache

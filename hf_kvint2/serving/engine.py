@@ -157,8 +157,10 @@ class PagedOscarLayer(OscarLayer):
     are the request's window slot (:class:`WindowSlots`)."""
 
     def __init__(self, recipe: LayerRecipe, layer_idx: int, arena: PageArena, block_ids: list[int],
-                 shared: SharedTensors, window: tuple[torch.Tensor, ...]):
-        self.arena, self.block_ids, self.shared, self.window = arena, block_ids, shared, window
+                 shared: SharedTensors, windows: WindowSlots, slot: int):
+        self.arena, self.block_ids, self.shared = arena, block_ids, shared
+        self.slot, self.slot_tensors = slot, windows.tensors[layer_idx]
+        self.window = windows.views(slot, layer_idx)
         super().__init__(recipe, layer_idx)
         self.fused_attention = True  # read by the "oscar" attention: update() returns the step's placeholders
 
@@ -179,6 +181,14 @@ class PagedOscarLayer(OscarLayer):
             return super()._window_buffers(like, n, cap)
         return buf_k, buf_v
 
+    def shared_windows(self):
+        sink_k, bufs = self.window[0], self._recent_buffers
+        cap = sink_k.shape[-2]
+        if self.sink_k.shape[-2] != cap or (cap and self.sink_k.data_ptr() != sink_k.data_ptr()) or \
+                bufs is None or bufs[0] is not self.window[2] or bufs[2] is not self.recent_k:
+            return None  # a sink still filling, or windows that did not fit the slot (allocated)
+        return self.slot_tensors, self.slot
+
 
 class RequestKV:
     """One request's cache layers, by model layer index: a :class:`PagedOscarLayer` for each quantized layer (its
@@ -191,8 +201,8 @@ class RequestKV:
         self.slot = windows.take()
         for idx, plan in enumerate(layout.plan):
             if plan.storage == QUANTIZED:
-                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids, shared,
-                                                   windows.views(self.slot, idx)))
+                self.layers.append(PagedOscarLayer(layout.recipes[idx], idx, arena, block_ids, shared, windows,
+                                                   self.slot))
             else:
                 self.layers.append(WindowLayer(sliding_window=plan.window, storage_dtype=layout.window_dtype))
 
