@@ -105,10 +105,13 @@ class ServedModel:
         cache_factory: ``cache_factory(config)`` -> the OscarCache / OscarScaledCache template of the INT2 engine
             (pickled too); defaults: the calibration shipped for SmolLM2, or a default OscarScaledCache.
         num_threads: torch's intra-op threads in the model's process (None: torch's default).
+        expected_request_tokens: the INT2 engine's ``expected_request_tokens`` (the tokens, prompt and generated, of a
+            typical request: its window slots are sized for as many as the budget holds); None: the engine's default.
     """
 
     def __init__(self, model_id: str, tokenizer, config, generation_config, dtype, load_model, method: str = "oscar",
-                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, cache_factory=None, num_threads: int | None = None):
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, cache_factory=None, num_threads: int | None = None,
+                 expected_request_tokens: int | None = None):
         if method not in METHODS:
             raise ValueError(f"method={method!r} is not one of {METHODS}.")
         if method != "none" and importlib.util.find_spec("hf_kvint2.serving") is None:
@@ -122,7 +125,7 @@ class ServedModel:
         self.model_id, self.tokenizer, self.dtype = model_id, tokenizer, dtype
         self.config, self.generation_config = config, generation_config
         self.load_model, self.method, self.num_threads = load_model, method, num_threads
-        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_budget_bytes, self.expected_request_tokens = kv_budget_bytes, expected_request_tokens
         self.cache_factory = cache_factory or (_oscar_scaled_cache if method == "oscar-scaled" else
                                                _shipped_oscar_cache)
 
@@ -186,19 +189,22 @@ class ServedModel:
             torch.set_num_threads(self.num_threads)
         model = self.load_model().eval()
         if self.method != "none":
-            enable_int2_engine(model, self.cache_factory(model.config), self.kv_budget_bytes)
+            enable_int2_engine(model, self.cache_factory(model.config), self.kv_budget_bytes,
+                               self.expected_request_tokens)
         keep_batching_manager(model)
         return model, self.tokenizer
 
 
-def enable_int2_engine(model, cache, kv_budget_bytes: int) -> None:
-    """Switch ``model``'s continuous batching to INT2 pages (hf_kvint2.serving)."""
+def enable_int2_engine(model, cache, kv_budget_bytes: int, expected_request_tokens: int | None = None):
+    """Switch ``model``'s continuous batching to INT2 pages (hf_kvint2.serving); ``expected_request_tokens`` None:
+    the engine's default. Returns the engine's layout (:class:`hf_kvint2.serving.PagedLayout`)."""
     try:
         from .serving import enable_paged_int2
     except ImportError as error:
         raise ImportError(f"The INT2 engine (hf_kvint2.serving) cannot be imported ({error}); serve the stock engine "
                           "with method 'none' (--method none).") from error
-    enable_paged_int2(model, cache, kv_budget_bytes=kv_budget_bytes)
+    options = {} if expected_request_tokens is None else {"expected_request_tokens": expected_request_tokens}
+    return enable_paged_int2(model, cache, kv_budget_bytes=kv_budget_bytes, **options)
 
 
 def keep_batching_manager(model) -> None:
@@ -323,7 +329,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="oscar: INT2 pages with the calibration shipped for SmolLM2 (default); oscar-scaled: "
                              "INT2 pages, OscarScaledCache (no calibration); none: transformers' stock paged cache")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="most tokens in one forward of the batch (default: transformers')")
+                        help="most tokens in one forward of the batch (default: the INT2 engine's, sized from the "
+                             "budget; transformers' with --method none)")
+    parser.add_argument("--expected-request-tokens", type=int, default=None,
+                        help="tokens (prompt and generated) of a typical request: the INT2 engine sizes its "
+                             "full-precision window slots for as many such requests as the budget holds (default: "
+                             "the engine's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="the model's dtype (default float32: bfloat16 matmuls are slow on most CPUs)")
     parser.add_argument("--threads", type=int, default=None,
@@ -334,8 +345,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.kv_budget = parse_bytes(args.kv_budget)
     except ValueError as error:
         parser.error(f"--kv-budget: {error}")
-    if args.kv_budget <= 0 or args.port < 0 or (args.threads is not None and args.threads < 1):
-        parser.error("--kv-budget must be positive, --port >= 0 and --threads >= 1")
+    if args.kv_budget <= 0 or args.port < 0 or (args.threads is not None and args.threads < 1) or \
+            (args.expected_request_tokens is not None and args.expected_request_tokens < 1):
+        parser.error("--kv-budget must be positive, --port >= 0, --threads >= 1 and --expected-request-tokens >= 1")
     return args
 
 
@@ -347,7 +359,8 @@ def main(argv=None) -> None:
 
     set_serve_log_level(logging.log_levels[args.log_level.lower()])
     served = ServedModel.bundled_smollm2(args.dtype, method=args.method, kv_budget_bytes=args.kv_budget,
-                                         num_threads=args.threads)
+                                         num_threads=args.threads,
+                                         expected_request_tokens=args.expected_request_tokens)
     print(f"Loading {served.model_id} ({args.method}, KV budget {args.kv_budget / 2**20:.0f} MiB) ...",
           file=sys.stderr)
     app, manager = build_app(served, served.continuous_batching_config(max_batch_tokens=args.max_batch_tokens))

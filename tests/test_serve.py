@@ -189,6 +189,29 @@ def test_kv_budget_sizes_and_bad_values():
         ServedModel.from_model(model, tokenizer, method="none")
 
 
+def test_the_int2_engine_takes_the_expected_request_length():
+    """``--expected-request-tokens`` / ``expected_request_tokens`` reach the INT2 engine's budget plan (its window
+    slots); a length below one token is refused."""
+    from hf_kvint2 import OscarScaledCache
+    from hf_kvint2.serve import enable_int2_engine, parse_args
+    from hf_kvint2.serving import disable_paged_int2, plan_budget
+
+    assert parse_args(["--expected-request-tokens", "300"]).expected_request_tokens == 300
+    assert parse_args([]).expected_request_tokens is None
+    with pytest.raises(SystemExit):
+        parse_args(["--expected-request-tokens", "0"])
+    model, template = tiny_llama(), OscarScaledCache(sink_tokens=4, recent_tokens=32)
+    slots = []
+    try:
+        for tokens in (100, 3000):
+            layout = enable_int2_engine(model, template, KV_BUDGET, tokens)
+            slots.append(layout.window_slots)
+            assert slots[-1] == plan_budget(model, template, KV_BUDGET, expected_request_tokens=tokens).window_slots
+    finally:
+        disable_paged_int2(model)
+    assert slots[0] > slots[1]
+
+
 def test_an_untested_transformers_release_is_refused(monkeypatch):
     import transformers
 
