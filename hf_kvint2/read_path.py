@@ -180,8 +180,9 @@ class BodyBackend:
     v), key body, value body, (tail k, v), *, scaling, mask, **options)`` with ``mask`` over all columns, for the
     steps that ``serves_layer_step(query, key_body)`` accepts (one segment on each side of the body). It is called
     by :func:`attend_segments` and must give what the composition gives with the reference body. It also takes
-    ``window_rows`` / ``after_tokens`` (windows with rows of their own, read in place: see the Numba one), for
-    :func:`hf_kvint2.steps.decode_batch` over a serving engine's window slots."""
+    ``window_rows`` / ``after_tokens`` (windows with rows of their own, read in place) and ``body_tokens`` (each
+    row's body length), see the Numba one, for :func:`hf_kvint2.steps.decode_batch` over a serving engine's
+    window slots and requests of different lengths."""
 
     name: str
     device_type: str | None
@@ -224,7 +225,7 @@ def attend_segments(query: torch.Tensor, before: Sequence[tuple], key_body, valu
         after = [(torch.cat([*(k for k, _ in after), own[0]], dim=2), torch.cat([*(v for _, v in after), own[1]],
                                                                                 dim=2))]
         own = None
-    if backend.layer_step is not None and own is None and len(before) <= 1 and len(after) == 1 and \
+    if backend.layer_step is not None and len(before) <= 1 and len(after) == 1 and \
             backend.serves_layer_step(query, key_body):
         sink = before[0] if before else (after[0][0][:, :, :0], after[0][1][:, :, :0])
         return backend.layer_step(query, sink, key_body, value_body, after[0], scaling=scaling, mask=mask, **options)

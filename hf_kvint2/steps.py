@@ -281,7 +281,7 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
         rows = torch.tensor([row for _, row in shared])
         return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
                                   scaling=scaling, mask=mask, window_rows=rows, after_tokens=n_tail,
-                                  **backend.options(query))
+                                  body_tokens=torch.tensor(body_tokens), **backend.options(query))
     sink_k = torch.cat([s.sink_k for s in steps])
     sink_v = torch.cat([s.sink_v for s in steps])
     slots = [s.layer.recent_slots(n_tail) for s in steps]

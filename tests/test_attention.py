@@ -399,7 +399,7 @@ def test_numba_layer_step_matches_the_composition(layout, groups, query_len):
 def test_numba_layer_step_reads_windows_by_row():
     """``window_rows``: windows with rows of their own (a serving engine's slots: more rows than the batch, in any
     order, the recent window longer than a row holds) read in place == each batch row's own windows; a row index
-    outside the windows is refused."""
+    outside the windows is refused. ``body_tokens``: each row's body length, the rest skipped == masked."""
     torch.manual_seed(6)
     layer = OscarLayer(STEP_LAYOUTS["token keys, centred"], 0)
     layer.fused_attention = True
@@ -422,6 +422,19 @@ def test_numba_layer_step_reads_windows_by_row():
     with pytest.raises(ValueError, match="window_rows"):
         numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=torch.tensor([5, 0]),
                          after_tokens=n_tail)
+    # body_tokens: a row with a shorter body (its mask hides the rest) skips those tokens; splits past it are empty
+    n0, n = step.sink_k.shape[2], step.body_tokens
+    short = torch.zeros(2, 1, 1, step.seq_len)
+    short[1, ..., n0 + 8:n0 + n] = float("-inf")
+    for split in (None, 8):
+        want = numba.layer_step(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v), scaling=0.3,
+                                mask=short, split=split)
+        got = numba.layer_step(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v), scaling=0.3,
+                               mask=short, split=split, body_tokens=torch.tensor([n, 8]))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="body_tokens"):
+        numba.layer_step(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v), scaling=0.3,
+                         body_tokens=torch.tensor([n + 1, 8]))
 
 
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))

@@ -81,7 +81,8 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     out = np.empty((b, hkv, padded, d), np.float32)
     lse = np.empty((b, hkv, padded), np.float32)
     _run(threads, q.contiguous().numpy(), bias.numpy(), padded, _stream(key_body, b), _stream(value_body, b),
-         _no_windows(d), Mask(mask_rows.numpy(), 0, lq), n, split, scaling, False, out, lse)
+         _no_windows(d), Mask(mask_rows.numpy(), 0, lq, np.full(b, n, np.int64)), n, split, scaling, False, out,
+         lse)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
         out_t, lse_t = out_t[:, :, :rows], lse_t[:, :, :rows]
@@ -89,7 +90,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
 
 
 def layer_step_attention(query, before, key_body, value_body, after, *, scaling, mask=None, split=None,
-                         window_rows=None, after_tokens=None):
+                         window_rows=None, after_tokens=None, body_tokens=None):
     """A whole attention step of a dynamic layer in one compiled call: ``query`` [B, Hq, Lq, D] (original space)
     over the full-precision window ``before`` = ``(k, v)`` [B, Hkv, n0, D] (the sink), the body's tokens and the
     window ``after`` (recent tokens and the current chunk), in that order; ``mask`` bool/additive over all of their
@@ -100,7 +101,9 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
 
     ``window_rows`` (LongTensor [B]): the windows have rows of their own, W >= B of them (a serving engine's window
     slots, read in place instead of gathered): batch row b reads window row ``window_rows[b]``, of ``after`` its
-    first ``after_tokens`` tokens (the mask hides what a row does not hold)."""
+    first ``after_tokens`` tokens (the mask hides what a row does not hold). ``body_tokens`` (LongTensor [B]): the
+    body tokens each row holds (its first ones; the mask must hide the rest too): the kernel skips the others, which
+    a batch of requests of different lengths pads its bodies with."""
     threads = kernel_threads()
     b, hq, lq, d, n, hkv, rows, split = _call_shapes(query, key_body, value_body, split, threads)
     (k0, v0), (k1, v1) = before, after
@@ -121,7 +124,7 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
     _run(threads, q, _no_bias(), rows, _stream(key_body, b), _stream(value_body, b), windows,
-         Mask(mask_rows.numpy(), n0, lq), n, split, scaling, True, out, lse)
+         Mask(mask_rows.numpy(), n0, lq, _body_lengths(body_tokens, b, n)), n, split, scaling, True, out, lse)
     out = torch.from_numpy(out.reshape(b, hq, lq, d))
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
@@ -130,6 +133,18 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
 def _batch_rows(b: int) -> np.ndarray:
     """Window rows 0 .. b-1: each batch row reads its own windows (shared: never written)."""
     return np.arange(b, dtype=np.int64)
+
+
+def _body_lengths(body_tokens: torch.Tensor | None, b: int, n: int) -> np.ndarray:
+    """The body tokens of each batch row as the kernel's int64 array: ``n`` for every row, or ``body_tokens``
+    (checked: one per row, each 0 .. n)."""
+    if body_tokens is None:
+        return np.full(b, n, np.int64)
+    lengths = body_tokens.detach().to("cpu", torch.int64).contiguous()
+    if lengths.shape != (b,) or (b and (int(lengths.min()) < 0 or int(lengths.max()) > n)):
+        raise ValueError(f"body_tokens must hold one length (0 .. {n}, the body's tokens) for each of the {b} batch "
+                         f"rows; got {body_tokens.tolist()}.")
+    return lengths.numpy()
 
 
 def _checked_rows(window_rows: torch.Tensor, b: int, *window_batches: int) -> np.ndarray:

@@ -33,8 +33,9 @@ Stream = namedtuple("Stream", ["codes", "scale", "lo", "norm", "token_axis", "gr
 # of each batch row (0 .. B-1, or a serving engine's window slots, read where they are).
 Windows = namedtuple("Windows", ["k0", "v0", "k1", "v1", "n1", "rot_k", "mean_k", "rot_v_t", "mean_v", "rows"])
 # The additive mask [B, Lq or 1, columns] ([0, 0, 1]: none) of query positions 0 .. query_len - 1; the body's
-# columns start at col0 (after the window before it).
-Mask = namedtuple("Mask", ["add", "col0", "query_len"])
+# columns start at col0 (after the window before it). body_len [B] int64: the body tokens each batch row attends
+# (its first ones; the kernel skips the rest, e.g. the padding of a serving engine's shorter requests).
+Mask = namedtuple("Mask", ["add", "col0", "query_len", "body_len"])
 
 
 def vector_width(d: int) -> int:
@@ -208,9 +209,13 @@ def make_kernel(d: int):
         for task in numba.prange(nbh * n_splits):
             bh, s = task // n_splits, task % n_splits
             b, h = bh // h_size, bh % h_size
-            split_partial(q[b, h], bias[b, h], keys, values, mask, tables[bh], qsum[bh], b, h, s * split,
-                          min(n, (s + 1) * split), live_rows, part_m[bh, s], part_l[bh, s], part_acc[bh, s],
-                          d4, width, fast_a, fast_b, fast_c)
+            t1 = min(n, mask.body_len[b], (s + 1) * split)
+            if s * split >= t1:  # past this row's body: a split that attends nothing (the merge skips it)
+                part_m[bh, s, :] = -np.inf
+                continue
+            split_partial(q[b, h], bias[b, h], keys, values, mask, tables[bh], qsum[bh], b, h, s * split, t1,
+                          live_rows, part_m[bh, s], part_l[bh, s], part_acc[bh, s], d4, width, fast_a, fast_b,
+                          fast_c)
         rows_out = out.shape[2]
         for item in numba.prange(nbh * rows_out):  # one fork and join for the merge and what follows it
             bh, r = item // rows_out, item % rows_out
