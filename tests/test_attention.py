@@ -343,6 +343,17 @@ STEP_LAYOUTS = {name: LAYOUTS[name].with_overrides(sink_tokens=sink, recent_toke
                  ("token values in half bytes", 0, 2)]}
 
 
+def stepped_layer(recipe, query_len: int, seed: int):
+    """An OscarLayer (batch 2, 2 KV heads, head_dim 16) fed 24, 16 and ``query_len`` tokens, read by "oscar": the
+    layer and its last step (sink, body and a tail that ends with the last chunk)."""
+    torch.manual_seed(seed)
+    layer = OscarLayer(recipe, 0)
+    layer.fused_attention = True
+    for n in (24, 16, query_len):
+        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
+    return layer, kv[0].step
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))
 @pytest.mark.parametrize("groups,query_len", [(2, 1), (7, 1), (5, 1), (2, 3)])  # 2, 3, 4 and 1 rows per LANES
@@ -352,12 +363,7 @@ def test_numba_layer_step_matches_the_composition(layout, groups, query_len):
     composition with the dense reference body: every layout, GQA, several query positions, bool and float masks
     over all tokens, a row that attends nothing, no mask, the causal mask of a chunk; split-K over the body agrees
     too. Steps it does not serve (a long chunk, a query with gradients) are composed."""
-    torch.manual_seed(4)
-    layer = OscarLayer(STEP_LAYOUTS[layout], 0)
-    layer.fused_attention = True
-    for n in (24, 16, query_len):
-        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
-    step = kv[0].step
+    layer, step = stepped_layer(STEP_LAYOUTS[layout], query_len, seed=4)
     total = step.seq_len
     assert step.body_tokens and step.tail_k.shape[-2]
     kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
@@ -400,12 +406,7 @@ def test_numba_layer_step_reads_windows_by_row():
     """``window_rows``: windows with rows of their own (a serving engine's slots: more rows than the batch, in any
     order, the recent window longer than a row holds) read in place == each batch row's own windows; a row index
     outside the windows is refused. ``body_tokens``: each row's body length, the rest skipped == masked."""
-    torch.manual_seed(6)
-    layer = OscarLayer(STEP_LAYOUTS["token keys, centred"], 0)
-    layer.fused_attention = True
-    for n in (24, 16, 1):
-        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
-    step = kv[0].step
+    layer, step = stepped_layer(STEP_LAYOUTS["token keys, centred"], 1, seed=6)
     kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
     q = torch.randn(2, 4, 1, 16)
     numba = backends.BODY_BACKENDS["numba"]
@@ -445,12 +446,7 @@ def test_a_chunk_over_its_own_tokens_needs_no_mask(layout, query_len):
     the dense reference body, the PyTorch one, the Numba body alone, the Numba whole-step call where it serves the
     query (short chunks: it takes the chunk with the causal rule as a mask), and a model mask over the earlier
     columns on top; GQA (the fused kernel's causal rule repeats the chunk's K/V per query head)."""
-    torch.manual_seed(5)
-    layer = OscarLayer(STEP_LAYOUTS[layout], 0)
-    layer.fused_attention = True
-    for n in (24, 16, query_len):
-        kv = layer.update(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16))
-    step = kv[0].step
+    layer, step = stepped_layer(STEP_LAYOUTS[layout], query_len, seed=5)
     total, past = step.seq_len, step.tail_k.shape[2] - query_len
     assert step.body_tokens and past >= 0
     kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
