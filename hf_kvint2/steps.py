@@ -256,8 +256,10 @@ def _padded(tensors: list[torch.Tensor], length: int, dim: int) -> torch.Tensor:
 def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One decode step of several sequences in one call of the read path: query [G, Hq, 1, D] (row g: sequence
     g's new token), each sequence's :class:`LayerStep` (the same codecs and sink length: :meth:`LayerStep.batch_key`).
-    The bodies come from one gather of all their stores' pages (``gather_padded``: stores that stay in place), the
-    recent windows are padded to the longest; the mask hides the padding. Returns [G, Hq, 1, D]."""
+    The bodies come from one gather of all their stores' pages (``gather_padded``: stores that stay in place); the
+    sinks and recent windows are read where they live (:meth:`~hf_kvint2.layers.OscarLayer.shared_windows`: a
+    serving engine's window slots) or else padded to the longest; the mask hides the padding. Returns
+    [G, Hq, 1, D]."""
     first = steps[0]
     n_body = max(s.body_tokens for s in steps)
     n_tail = max(s.tail_k.shape[2] for s in steps)
@@ -275,8 +277,9 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     backend = select_body_partial(query.device)
     shared = [s.layer.shared_windows() for s in steps]
     if backend.layer_step is not None and backend.serves_layer_step(query, bodies[0]) and \
-            all(w is not None and w[0] is shared[0][0] for w in shared):
-        # the windows where they live (a serving engine's window slots): each row reads its own, nothing copied
+            all(w is not None and w[0] is shared[0][0] for w in shared) and shared[0][0][2].dtype == torch.float32:
+        # the windows where they live (a serving engine's window slots, float32 as the kernel reads them): each row
+        # reads its own, nothing copied
         sink_k, sink_v, recent_k, recent_v = shared[0][0]
         rows = torch.tensor([row for _, row in shared])
         return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
