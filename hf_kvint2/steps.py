@@ -267,9 +267,10 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     gather = type(first.stores[0]).gather_padded
     body_tokens = [s.body_tokens for s in steps]
     bodies = [gather([s.stores[i] for s in steps], body_tokens) for i in (0, 1)]
+    body_lengths = torch.tensor(body_tokens, device=query.device)
     # columns: sink (every row's), body (each row's first body_tokens), tail (each row's window)
     col = torch.arange(n_sink + n_body + n_tail, device=query.device)
-    body_end = n_sink + torch.tensor(body_tokens, device=query.device)[:, None]
+    body_end = n_sink + body_lengths[:, None]
     tail_end = n_sink + n_body + torch.tensor([s.tail_k.shape[2] for s in steps], device=query.device)[:, None]
     valid = (col < body_end) | ((col >= n_sink + n_body) & (col < tail_end))
     mask = torch.zeros(valid.shape, dtype=torch.float32, device=query.device).masked_fill_(~valid, float("-inf"))
@@ -284,7 +285,7 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
         rows = torch.tensor([row for _, row in shared])
         return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
                                   scaling=scaling, mask=mask, window_rows=rows, after_tokens=n_tail,
-                                  body_tokens=torch.tensor(body_tokens), **backend.options(query))
+                                  body_tokens=body_lengths, **backend.options(query))
     sink_k = torch.cat([s.sink_k for s in steps])
     sink_v = torch.cat([s.sink_v for s in steps])
     slots = [s.layer.recent_slots(n_tail) for s in steps]

@@ -81,7 +81,7 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     out = np.empty((b, hkv, padded, d), np.float32)
     lse = np.empty((b, hkv, padded), np.float32)
     _run(threads, q.contiguous().numpy(), bias.numpy(), padded, _stream(key_body, b), _stream(value_body, b),
-         _no_windows(d), Mask(mask_rows.numpy(), 0, lq, np.full(b, n, np.int64)), n, split, scaling, False, out,
+         _no_windows(d), Mask(mask_rows.numpy(), 0, lq, _body_lengths(None, b, n)), n, split, scaling, False, out,
          lse)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
@@ -112,7 +112,7 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
         n1, arrays, window_of = k1.shape[2], (_window_array(k1), _window_array(v1)), _batch_rows(b)
     else:
         n1, arrays, window_of = after_tokens, (_window_array(k1, whole=True), _window_array(v1, whole=True)), \
-            _checked_rows(window_rows, b, k0.shape[0], k1.shape[0])
+            _per_row(window_rows, b, min(k0.shape[0], k1.shape[0]) - 1, "window_rows", "a row of the windows")
         if not 0 <= n1 <= k1.shape[2]:
             raise ValueError(f"after_tokens={n1} must be within the windows' {k1.shape[2]} token slots.")
     q = _float32_array(query).reshape(b, hkv, rows, d)  # a copy only where the query is not contiguous
@@ -140,21 +140,18 @@ def _body_lengths(body_tokens: torch.Tensor | None, b: int, n: int) -> np.ndarra
     (checked: one per row, each 0 .. n)."""
     if body_tokens is None:
         return np.full(b, n, np.int64)
-    lengths = body_tokens.detach().to("cpu", torch.int64).contiguous()
-    if lengths.shape != (b,) or (b and (int(lengths.min()) < 0 or int(lengths.max()) > n)):
-        raise ValueError(f"body_tokens must hold one length (0 .. {n}, the body's tokens) for each of the {b} batch "
-                         f"rows; got {body_tokens.tolist()}.")
-    return lengths.numpy()
+    return _per_row(body_tokens, b, n, "body_tokens", "the body's tokens")
 
 
-def _checked_rows(window_rows: torch.Tensor, b: int, *window_batches: int) -> np.ndarray:
-    """``window_rows`` as the kernel's int64 array, after checking it names a row of every window for each batch
-    row (an index out of range would read outside the windows' memory)."""
-    rows = window_rows.detach().to("cpu", torch.int64).contiguous()
-    if rows.shape != (b,) or (b and (int(rows.min()) < 0 or int(rows.max()) >= min(window_batches))):
-        raise ValueError(f"window_rows must hold one window row (0 .. {min(window_batches) - 1}) for each of the "
-                         f"{b} batch rows; got {window_rows.tolist()}.")
-    return rows.numpy()
+def _per_row(values: torch.Tensor, b: int, most: int, name: str, what: str) -> np.ndarray:
+    """``values`` (one integer per batch row, each 0 .. ``most``) as the kernel's int64 array; anything else is
+    refused, naming ``name`` and ``what`` its values count (a value out of range would read outside the kernel's
+    arrays)."""
+    array = values.detach().to("cpu", torch.int64).contiguous()
+    if array.shape != (b,) or (b and (int(array.min()) < 0 or int(array.max()) > most)):
+        raise ValueError(f"{name} must hold one value (0 .. {most}, {what}) for each of the {b} batch rows; got "
+                         f"{values.tolist()}.")
+    return array.numpy()
 
 
 def serves_layer_step(query, key_body) -> bool:
