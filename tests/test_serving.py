@@ -254,6 +254,36 @@ def test_the_default_forward_keeps_activations_within_a_share_of_the_budget(mode
         model.destroy_cached_continuous_batching_manager()
 
 
+@needs_tested_engine
+def test_freed_memory_is_released_after_each_prompt_chunk(model, monkeypatch):
+    """After every forward that holds a prompt chunk (and only then: decode steps free little), the engine hands the
+    freed heap pages back to the OS; on glibc that is malloc_trim, elsewhere nothing."""
+    import platform
+
+    from hf_kvint2.serving import engine
+
+    released, forwards = [], []
+    monkeypatch.setattr(engine, "release_freed_memory", lambda: released.append(len(forwards)))
+    record = OscarPagedAttentionCache._requests_of_forward
+
+    def recording(self, tokens):
+        packed = record(self, tokens)
+        if not forwards or forwards[-1][0] is not packed:
+            forwards.append((packed, any(n > 1 for _, _, n in packed)))
+        return packed
+
+    monkeypatch.setattr(OscarPagedAttentionCache, "_requests_of_forward", recording)
+    prompts = [list(range(3, 3 + n)) for n in (70, 40, 90)]
+    serve(model, TEMPLATES["oscar_scaled"](), prompts, [6, 9, 4], budget=8 << 20, slots=3, max_batch_tokens=64,
+          monkeypatch=monkeypatch)
+    with_prompt = [i + 1 for i, (_, prompt) in enumerate(forwards) if prompt]
+    assert len(with_prompt) >= 4 and len(with_prompt) < len(forwards)  # chunks of 64 tokens, then decode steps
+    assert released == with_prompt  # right after each such forward, before the next one
+    monkeypatch.undo()
+    if platform.libc_ver()[0] == "glibc":
+        assert engine.release_freed_memory() is True
+
+
 def test_untested_transformers_is_refused():
     with pytest.raises(RuntimeError, match="tested on transformers"):
         check_transformers_version("5.99.0")
