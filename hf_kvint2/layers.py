@@ -101,7 +101,7 @@ def validate_kv(layer, k: torch.Tensor, v: torch.Tensor, fix: str, update_args: 
 def _refuse_nonfinite(layer, k: torch.Tensor, v: torch.Tensor, update_args: tuple) -> None:
     """The last check of :func:`validate_kv`, on K/V that passed the others: no NaN/Inf unless the recipe turns
     that off (skipped while tracing: it needs the data)."""
-    if layer.recipe.check_finite and not tracing() and not _all_finite(k, v):
+    if layer.recipe.check_finite and not tracing() and not all_finite_kv(k, v):
         check_position_ids(position_ids_of_update(*update_args), layer._name)  # NaN positions: NaN rotary keys
         raise ValueError(f"{layer._name}: key/value states contain NaN or Inf; refusing to quantize them "
                          "(check the model's dtype: fp16 overflow is a common cause).")
@@ -117,7 +117,7 @@ def _same_kind_as_layer(layer, k: torch.Tensor, v: torch.Tensor) -> bool:
             and not k.is_meta and not v.is_meta)
 
 
-def _all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+def all_finite_kv(k: torch.Tensor, v: torch.Tensor) -> bool:
     """No NaN/Inf in k or v. On CPU one compiled pass over their bits (:func:`~hf_kvint2.cpu_kernels.all_finite`);
     elsewhere one reduction and one host sync per decode step: a NaN or Inf anywhere makes the fp32 sum
     non-finite; only then (or if finite values overflowed the sum) is every element checked. For K/V that passed

@@ -178,6 +178,40 @@ def test_decode_batches_read_the_window_slots_in_place(model, monkeypatch):
 
 
 @needs_tested_engine
+@pytest.mark.parametrize("method", ["oscar_scaled", "oscar"])
+def test_decode_tokens_are_written_to_the_window_slots_in_one_call(model, method, monkeypatch):
+    """A decode token that needs only a write into its request's window slot is stored with the other requests'
+    (one indexed write per layer), not by its layer's update; demotions, sinks and prompt chunks still go through
+    the layers. Each request equals its own cache."""
+    from hf_kvint2.serving.engine import PagedOscarLayer
+
+    counts = {"batched": 0, "own": 0}
+    took, own = PagedOscarLayer.took_token_in_slot, PagedOscarLayer.update
+
+    def counting_took(self, key_states, value_states):
+        counts["batched"] += 1
+        return took(self, key_states, value_states)
+
+    def counting_update(self, key_states, value_states, *args, **kwargs):
+        counts["own"] += key_states.shape[2] == 1
+        return own(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(PagedOscarLayer, "took_token_in_slot", counting_took)
+    monkeypatch.setattr(PagedOscarLayer, "update", counting_update)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(60, 400))] for _ in range(5)]
+    max_new = [40, 12, 40, 25, 40]
+    template = {"oscar_scaled": OscarScaledCache, "oscar": OscarCache}[method](sink_tokens=4, recent_tokens=64)
+    results, forwards, *_ = serve(model, template, prompts, max_new, budget=24 << 20, slots=5, max_batch_tokens=4096,
+                                  monkeypatch=monkeypatch)
+    # a window of 64 tokens demotes 4 at a time, every 4th decode token: both paths are taken
+    assert counts["batched"] > 2 * counts["own"] > 0, counts
+    for i, prompt in enumerate(prompts):
+        want, _ = alone(model, template, prompt, prefill_chunks(forwards[f"r{i}"], len(prompt)), max_new[i])
+        assert results[f"r{i}"] == want, f"request {i}"
+
+
+@needs_tested_engine
 def test_a_request_longer_than_the_budget_fails_alone(model, monkeypatch):
     template = TEMPLATES["oscar_scaled"]()
     layout = plan_budget(model, template, 1 << 20, max_concurrent_requests=2)
