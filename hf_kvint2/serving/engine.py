@@ -392,11 +392,11 @@ class OscarPagedAttentionCache(PagedAttentionCache):
     def _append_decode_tokens(self, packed, layer_idx: int, key_states: torch.Tensor,
                               value_states: torch.Tensor) -> dict[int, LayerStep]:
         """Store the forward's decode tokens of quantized layer ``layer_idx`` in one indexed write per K and V into
-        the requests' window slots, where that is all storing them takes (:meth:`PagedOscarLayer.appends_in_slot`);
-        each layer's own ``update`` costs ~0.1 ms of Python per request and layer, a tenth of a decode step at 16
-        requests. Returns {index in ``packed``: the request's step}; the other requests' tokens (prompt chunks,
-        demotions, windows still filling) go through their layers' ``update``, as do all of them when the K/V
-        would fail its checks there (shapes, dtypes, NaN/Inf: the error is the layer's)."""
+        the requests' window slots, where that is all storing them takes (:meth:`PagedOscarLayer.appends_in_slot`),
+        instead of tens of microseconds of Python per request and layer in each layer's own ``update``. Returns
+        {index in ``packed``: the request's step}; the other requests' tokens (prompt chunks, demotions, windows
+        still filling) go through their layers' ``update``, as do all of them when the K/V would fail its checks
+        there (shapes, dtypes, NaN/Inf: the error is the layer's)."""
         if layer_idx not in self.layout.recipes or key_states.dtype != value_states.dtype or \
                 key_states.shape != value_states.shape or key_states.shape[0] != 1 or \
                 key_states.shape[1] != self.layout.heads or key_states.shape[3] != self.layout.head_dim:
