@@ -319,9 +319,7 @@ class OscarLayer(CacheLayerMixin):
             else:
                 bufs[0][:, :, n:n + m] = new_k
                 bufs[1][:, :, n:n + m] = new_v
-            view_k, view_v = bufs[0].narrow(2, 0, n + m), bufs[1].narrow(2, 0, n + m)
-            self.recent_k, self.recent_v = view_k, view_v
-            self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
+            self._use_recent_buffers(bufs[0], bufs[1], n + m)
         else:
             self._new_recent_buffers(self.recent_k, self.recent_v, new_k, new_v)
 
@@ -342,9 +340,14 @@ class OscarLayer(CacheLayerMixin):
                 same = old.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
                 buf[:, :, :old.shape[-2]] = old.clone() if same else old
             buf[:, :, old.shape[-2]:n] = new
-        view_k, view_v = bufs[0][:, :, :n], bufs[1][:, :, :n]
+        self._use_recent_buffers(bufs[0], bufs[1], n)
+
+    def _use_recent_buffers(self, buf_k: torch.Tensor, buf_v: torch.Tensor, n: int) -> None:
+        """The recent window = the first ``n`` token slots of ``buf_k`` / ``buf_v``, buffers a decode step appends
+        to in place while they have room."""
+        view_k, view_v = buf_k.narrow(2, 0, n), buf_v.narrow(2, 0, n)
         self.recent_k, self.recent_v = view_k, view_v
-        self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
+        self._recent_buffers = (buf_k, buf_v, view_k, view_v)
 
     def _window_buffers(self, like: torch.Tensor, n: int, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V buffers of ``cap`` (at least ``n``) token slots for the recent window, zeros past what is written

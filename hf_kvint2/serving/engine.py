@@ -189,7 +189,8 @@ class PagedOscarLayer(OscarLayer):
         the slot's recent window; else None (the layer's own ``update`` stores it). See
         :meth:`OscarPagedAttentionCache.update`."""
         bufs, recent = self._recent_buffers, self.recent_k
-        if bufs is None or bufs[2] is not recent or bufs[0] is not self.window[2] or self.dtype != dtype:
+        if bufs is None or bufs[2] is not recent or bufs[3] is not self.recent_v or bufs[0] is not self.window[2] or \
+                self.dtype != dtype:
             return None
         n = recent.shape[-2]
         if n == 0 or n >= bufs[0].shape[-2]:
@@ -203,10 +204,7 @@ class PagedOscarLayer(OscarLayer):
         """Account for the decode token written at :meth:`appends_in_slot`'s position (``key_states`` /
         ``value_states`` [1, H, 1, D]: that token); returns the step ``update`` would have made."""
         bufs = self._recent_buffers
-        n = self.recent_k.shape[-2] + 1
-        view_k, view_v = bufs[0].narrow(2, 0, n), bufs[1].narrow(2, 0, n)
-        self.recent_k, self.recent_v = view_k, view_v
-        self._recent_buffers = (bufs[0], bufs[1], view_k, view_v)
+        self._use_recent_buffers(bufs[0], bufs[1], self.recent_k.shape[-2] + 1)
         self.seq_len += 1
         return LayerStep(self, key_states, value_states)
 
