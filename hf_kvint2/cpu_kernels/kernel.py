@@ -104,7 +104,7 @@ if NUMBA:
         v_codes = values.codes[b, h, t0:t0 + ns]
         if not values.token_axis:
             channel_value_sums(weights, v_codes, values.scale[b, h], values.lo[b, h], v_norm, values.group, t0,
-                               values.kind, live_rows, acc, l_out)
+                               values.kind, live_rows, acc, l_out, d4, width)
             return
         v_scale, v_lo = stored_rows(values.scale[b, h], values.lo[b, h], t0, ns, values.kind)
         gb = values.group // 4

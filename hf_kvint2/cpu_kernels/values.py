@@ -81,10 +81,55 @@ if NUMBA:
                         acc[r, c] = fma(wn, fma(CODES[byte, i], scale[t, g], lo[t, g]), acc[r, c])
 
     @njit
-    def channel_value_sums(weights, codes, scale, lo, norm, group, t0, kind, live_rows, acc, l_out):
-        """Per-channel value groups for a split's tokens t0 .. (``codes [ns, d4]``, the stream's stored ``scale`` /
-        ``lo [rows, D]`` of ``kind``, ``norm [ns]`` or empty): each token dequantized once, then added to the sum
-        of every row below ``live_rows`` (the rest are padding); the weights' sums four rows at a time."""
+    def channel_value_sums(weights, codes, scale, lo, norm, group, t0, kind, live_rows, acc, l_out, d4, width):
+        """Per-channel value groups for a split's tokens t0 .. (a group boundary; ``codes [ns, d4]``, the stream's
+        stored ``scale`` / ``lo [rows, D]`` of ``kind``, ``norm [ns]`` or empty). A group's tokens share their
+        scales and offsets, so per group and query row only the codes are summed, weighted (by
+        :func:`accumulate_values`, in vector registers: ``sum_t w_t n_t code_t``, ``sum_t w_t n_t``), and the
+        group's scales and offsets are applied once: ``acc += scale * codes' sum + lo * weights' sum``. Rows from
+        ``live_rows`` on are padding (zero weights: skipped). ``d4`` and ``width`` (4, 8 or 16, dividing d4; 0: the
+        plain loop) are literals."""
+        numba.literally(d4)
+        numba.literally(width)
+        if width == 0:
+            channel_value_sums_plain(weights, codes, scale, lo, norm, group, t0, kind, live_rows, acc, l_out)
+            return
+        ns, rp = weights.shape
+        d, chunks = 4 * d4, d4 // width
+        token_norms = norm if norm.shape[0] > 0 else np.ones(ns, np.float32)
+        lanes_acc = np.empty(rp * d, np.float32)  # (row chunk, byte chunk, row, code i, byte) order
+        sums = np.empty(rp * 2, np.float32)  # per row: the weights' sum, the norm-weighted sum (the offsets')
+        codes_flat, weights_flat = codes.reshape(-1), weights.reshape(-1)
+        acc[:] = 0.0
+        l_out[:] = 0.0
+        for g0 in range(0, ns, group):
+            g1 = min(ns, g0 + group)
+            row = (t0 + g0) // group
+            lanes_acc[:] = 0.0
+            sums[:] = 0.0
+            group_norms = token_norms[g0:g1]
+            for r0 in range(0, rp, LANES):
+                live = min(LANES, live_rows - r0)
+                if live <= 0:
+                    break
+                accumulate_values(lanes_acc, r0 * d, codes_flat[g0 * d4:g1 * d4], weights_flat, g0 * rp + r0, rp,
+                                  group_norms, group_norms, sums, r0 * 2, g1 - g0, d4, width, d4, live)
+            for r in range(live_rows):
+                l_out[r] += sums[2 * r]
+                weighted = sums[2 * r + 1]
+                at = (r // LANES * chunks * LANES + r % LANES) * 4 * width
+                for m in range(chunks):
+                    for i in range(4):
+                        for lane in range(width):
+                            c = 4 * (m * width + lane) + i
+                            acc[r, c] = fma(stored_value(scale[row, c], kind),
+                                            lanes_acc[at + (m * LANES * 4 + i) * width + lane],
+                                            fma(stored_value(lo[row, c], kind), weighted, acc[r, c]))
+
+    @njit
+    def channel_value_sums_plain(weights, codes, scale, lo, norm, group, t0, kind, live_rows, acc, l_out):
+        """:func:`channel_value_sums` for head_dims no vector width serves: each token dequantized once, then added
+        to the sum of every row below ``live_rows``; the weights' sums four rows at a time."""
         ns, rp = weights.shape
         d4 = codes.shape[1]
         d = 4 * d4
