@@ -258,23 +258,14 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     g's new token), each sequence's :class:`LayerStep` (the same codecs and sink length: :meth:`LayerStep.batch_key`).
     The bodies come from one gather of all their stores' pages (``gather_padded``: stores that stay in place); the
     sinks and recent windows are read where they live (:meth:`~hf_kvint2.layers.OscarLayer.shared_windows`: a
-    serving engine's window slots) or else padded to the longest; the mask hides the padding. Returns
-    [G, Hq, 1, D]."""
+    serving engine's window slots; each row's body and window lengths tell the fused step what to skip) or else
+    padded to the longest, the padding masked. Returns [G, Hq, 1, D]."""
     first = steps[0]
-    n_body = max(s.body_tokens for s in steps)
     n_tail = max(s.tail_k.shape[2] for s in steps)
-    n_sink = first.sink_k.shape[2]
     gather = type(first.stores[0]).gather_padded
     body_tokens = [s.body_tokens for s in steps]
+    tail_tokens = [s.tail_k.shape[2] for s in steps]
     bodies = [gather([s.stores[i] for s in steps], body_tokens) for i in (0, 1)]
-    body_lengths = torch.tensor(body_tokens, device=query.device)
-    # columns: sink (every row's), body (each row's first body_tokens), tail (each row's window)
-    col = torch.arange(n_sink + n_body + n_tail, device=query.device)
-    body_end = n_sink + body_lengths[:, None]
-    tail_end = n_sink + n_body + torch.tensor([s.tail_k.shape[2] for s in steps], device=query.device)[:, None]
-    valid = (col < body_end) | ((col >= n_sink + n_body) & (col < tail_end))
-    mask = torch.zeros(valid.shape, dtype=torch.float32, device=query.device).masked_fill_(~valid, float("-inf"))
-    mask = mask[:, None, None, :]
     backend = select_body_partial(query.device)
     shared = [s.layer.shared_windows() for s in steps]
     if backend.layer_step is not None and backend.serves_layer_step(query, bodies[0]) and \
@@ -282,10 +273,17 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
         # the windows where they live (a serving engine's window slots, float32 as the kernel reads them): each row
         # reads its own, nothing copied
         sink_k, sink_v, recent_k, recent_v = shared[0][0]
-        rows = torch.tensor([row for _, row in shared])
         return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
-                                  scaling=scaling, mask=mask, window_rows=rows, after_tokens=n_tail,
-                                  body_tokens=body_lengths, **backend.options(query))
+                                  scaling=scaling, window_rows=[row for _, row in shared], after_tokens=tail_tokens,
+                                  body_tokens=body_tokens, **backend.options(query))
+    # columns: sink (every row's), body (each row's first body_tokens), tail (each row's window)
+    n_sink, n_body = first.sink_k.shape[2], max(body_tokens)
+    col = torch.arange(n_sink + n_body + n_tail, device=query.device)
+    body_end = n_sink + torch.tensor(body_tokens, device=query.device)[:, None]
+    tail_end = n_sink + n_body + torch.tensor(tail_tokens, device=query.device)[:, None]
+    valid = (col < body_end) | ((col >= n_sink + n_body) & (col < tail_end))
+    mask = torch.zeros(valid.shape, dtype=torch.float32, device=query.device).masked_fill_(~valid, float("-inf"))
+    mask = mask[:, None, None, :]
     sink_k = torch.cat([s.sink_k for s in steps])
     sink_v = torch.cat([s.sink_v for s in steps])
     slots = [s.layer.recent_slots(n_tail) for s in steps]

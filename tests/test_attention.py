@@ -405,7 +405,8 @@ def test_numba_layer_step_matches_the_composition(layout, groups, query_len):
 def test_numba_layer_step_reads_windows_by_row():
     """``window_rows``: windows with rows of their own (a serving engine's slots: more rows than the batch, in any
     order, the recent window longer than a row holds) read in place == each batch row's own windows; a row index
-    outside the windows is refused. ``body_tokens``: each row's body length, the rest skipped == masked."""
+    outside the windows is refused. ``after_tokens`` and ``body_tokens`` per row: each row's window and body
+    lengths, the rest skipped == masked; a length past the windows' slots is refused."""
     layer, step = stepped_layer(STEP_LAYOUTS["token keys, centred"], 1, seed=6)
     kb, vb = layer.key_body.read(step.body_tokens), layer.value_body.read(step.body_tokens)
     q = torch.randn(2, 4, 1, 16)
@@ -423,8 +424,19 @@ def test_numba_layer_step_reads_windows_by_row():
     with pytest.raises(ValueError, match="window_rows"):
         numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=torch.tensor([5, 0]),
                          after_tokens=n_tail)
-    # body_tokens: a row with a shorter body (its mask hides the rest) skips those tokens; splits past it are empty
+    # after_tokens per row (a row holding fewer window tokens): the rest not attended == masked
     n0, n = step.sink_k.shape[2], step.body_tokens
+    fewer = torch.zeros(2, 1, 1, step.seq_len)
+    fewer[1, ..., n0 + n + n_tail - 3:] = float("-inf")
+    want = numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=rows,
+                            after_tokens=n_tail, mask=fewer)
+    got = numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=[3, 0],
+                           after_tokens=[n_tail, n_tail - 3])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="after_tokens"):
+        numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=rows,
+                         after_tokens=[n_tail, n_tail + 8])
+    # body_tokens: a row with a shorter body (its mask hides the rest) skips those tokens; splits past it are empty
     short = torch.zeros(2, 1, 1, step.seq_len)
     short[1, ..., n0 + 8:n0 + n] = float("-inf")
     for split in (None, 8):

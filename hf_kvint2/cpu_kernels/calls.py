@@ -99,27 +99,36 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     its ~20 small PyTorch ops per layer, which cost more than the body itself at batch 1. Returns [B, Hq, Lq, D] in
     the query's dtype. For decode steps and short chunks (see :func:`serves_layer_step`).
 
-    ``window_rows`` (LongTensor [B]): the windows have rows of their own, W >= B of them (a serving engine's window
-    slots, read in place instead of gathered): batch row b reads window row ``window_rows[b]``, of ``after`` its
-    first ``after_tokens`` tokens (the mask hides what a row does not hold). ``body_tokens`` (LongTensor [B]): the
-    body tokens each row holds (its first ones; the mask must hide the rest too): the kernel skips the others, which
-    a batch of requests of different lengths pads its bodies with."""
+    ``window_rows`` (one int per batch row: a LongTensor [B] or a list, as the per-row values below): the windows
+    have rows of their own, W >= B of them (a serving engine's window slots, read in place instead of gathered):
+    batch row b reads window row ``window_rows[b]``, of ``after`` its first ``after_tokens`` tokens (an int for every
+    row, or one per row: each row's own, the rest not attended, no mask needed). ``body_tokens`` (one per row): the
+    body tokens each row holds (its first ones): the kernel skips the others, which a batch of requests of different
+    lengths pads its bodies with. A mask's columns are the sink's, the body's and ``after_tokens`` (its largest)
+    tokens, and must hide what a row does not hold."""
     threads = kernel_threads()
     b, hq, lq, d, n, hkv, rows, split = _call_shapes(query, key_body, value_body, split, threads)
     (k0, v0), (k1, v1) = before, after
     n0 = k0.shape[2]
     if window_rows is None:
         n1, arrays, window_of = k1.shape[2], (_window_array(k1), _window_array(v1)), _batch_rows(b)
+        after_rows = _same_rows(b, n1)
     else:
-        n1, arrays, window_of = after_tokens, (_window_array(k1, whole=True), _window_array(v1, whole=True)), \
+        arrays, window_of = (_window_array(k1, whole=True), _window_array(v1, whole=True)), \
             _per_row(window_rows, b, min(k0.shape[0], k1.shape[0]) - 1, "window_rows", "a row of the windows")
-        if not 0 <= n1 <= k1.shape[2]:
-            raise ValueError(f"after_tokens={n1} must be within the windows' {k1.shape[2]} token slots.")
+        if not isinstance(after_tokens, int):
+            after_rows = _per_row(after_tokens, b, k1.shape[2], "after_tokens", "the windows' token slots")
+            n1 = int(after_rows.max()) if b else 0
+        else:
+            n1 = after_tokens
+            if not 0 <= n1 <= k1.shape[2]:
+                raise ValueError(f"after_tokens={n1} must be within the windows' {k1.shape[2]} token slots.")
+            after_rows = _same_rows(b, n1)
     q = _float32_array(query).reshape(b, hkv, rows, d)  # a copy only where the query is not contiguous
     mask_rows = _mask_rows(mask, b, n0 + n + n1)
     rot_k, mean_k, _ = _codec_arrays(key_body.codec)
     _, mean_v, rot_v_t = _codec_arrays(value_body.codec)
-    windows = Windows(_window_array(k0, whole=True), _window_array(v0, whole=True), *arrays, n1, rot_k, mean_k,
+    windows = Windows(_window_array(k0, whole=True), _window_array(v0, whole=True), *arrays, after_rows, rot_k, mean_k,
                       rot_v_t, mean_v, window_of)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
@@ -135,23 +144,33 @@ def _batch_rows(b: int) -> np.ndarray:
     return np.arange(b, dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=256)
+def _same_rows(b: int, n: int) -> np.ndarray:
+    """``n`` for each of ``b`` batch rows (shared: never written)."""
+    return np.full(b, n, np.int64)
+
+
 def _body_lengths(body_tokens: torch.Tensor | None, b: int, n: int) -> np.ndarray:
     """The body tokens of each batch row as the kernel's int64 array: ``n`` for every row, or ``body_tokens``
     (checked: one per row, each 0 .. n)."""
     if body_tokens is None:
-        return np.full(b, n, np.int64)
+        return _same_rows(b, n)
     return _per_row(body_tokens, b, n, "body_tokens", "the body's tokens")
 
 
-def _per_row(values: torch.Tensor, b: int, most: int, name: str, what: str) -> np.ndarray:
-    """``values`` (one integer per batch row, each 0 .. ``most``) as the kernel's int64 array; anything else is
-    refused, naming ``name`` and ``what`` its values count (a value out of range would read outside the kernel's
-    arrays)."""
-    array = values.detach().to("cpu", torch.int64).contiguous()
+def _per_row(values, b: int, most: int, name: str, what: str) -> np.ndarray:
+    """``values`` (one integer per batch row, each 0 .. ``most``: a LongTensor or a sequence of ints) as the kernel's
+    int64 array; anything else is refused, naming ``name`` and ``what`` its values count (a value out of range would
+    read outside the kernel's arrays)."""
+    if isinstance(values, torch.Tensor):
+        array = values.detach().to("cpu", torch.int64).contiguous().numpy()
+    else:
+        array = np.asarray(values, dtype=np.int64)
     if array.shape != (b,) or (b and (int(array.min()) < 0 or int(array.max()) > most)):
+        shown = values.tolist() if isinstance(values, torch.Tensor) else list(values)
         raise ValueError(f"{name} must hold one value (0 .. {most}, {what}) for each of the {b} batch rows; got "
-                         f"{values.tolist()}.")
-    return array.numpy()
+                         f"{shown}.")
+    return array
 
 
 def serves_layer_step(query, key_body) -> bool:
@@ -308,7 +327,7 @@ def _no_norm(batch: int, kind: int) -> np.ndarray:
 def _no_windows(d: int) -> Windows:
     """The layer step's inputs as zero-size stand-ins, for the body kernel (the same compiled kernel)."""
     window, matrix = np.zeros((1, 1, 0, d), np.float32), np.zeros((d, d), np.float32)
-    return Windows(window, window, window, window, 0, matrix, np.zeros((0, d), np.float32), matrix,
+    return Windows(window, window, window, window, _batch_rows(0), matrix, np.zeros((0, d), np.float32), matrix,
                    np.zeros((0, d), np.float32), _batch_rows(0))
 
 

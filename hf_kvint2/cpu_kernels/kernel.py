@@ -28,7 +28,8 @@ from .jit import NUMBA
 # float32 (``kind``, see bits.SCALE_KINDS); norm [B, >= n] token norms or [B, 0]; token_axis: per-token groups.
 Stream = namedtuple("Stream", ["codes", "scale", "lo", "norm", "token_axis", "group", "kind"])
 # The layer step's full-precision windows and codecs: k0 / v0 [W, H, n0, D] before the body (the sink), k1 / v1
-# [W, H, >= n1, D] after it (its first n1 tokens: the recent window and the current chunk); rot_k [D, D] and mean_k
+# [W, H, >= n1, D] after it (the recent window and the current chunk: batch row b attends its first n1[b] tokens,
+# n1 [B] int64, so that rows holding fewer need no mask); rot_k [D, D] and mean_k
 # [H, D] or [0, D] (keys' codec), rot_v_t = R_V^T [D, D] and mean_v (values' codec); rows [B] int64: the window row
 # of each batch row (0 .. B-1, or a serving engine's window slots, read where they are).
 Windows = namedtuple("Windows", ["k0", "v0", "k1", "v1", "n1", "rot_k", "mean_k", "rot_v_t", "mean_v", "rows"])
@@ -155,7 +156,7 @@ if NUMBA:
         w = windows.rows[b]
         parts_m[0], parts_l[0] = window_partial(q, windows.k0[w, h], windows.v0[w, h], windows.k0.shape[2], scaling,
                                                 mask.add, b, query_row, 0, parts_acc[0], d, width)
-        parts_m[1], parts_l[1] = window_partial(q, windows.k1[w, h], windows.v1[w, h], windows.n1, scaling,
+        parts_m[1], parts_l[1] = window_partial(q, windows.k1[w, h], windows.v1[w, h], windows.n1[b], scaling,
                                                 mask.add, b, query_row, mask.col0 + n, parts_acc[1], d, width)
         parts_m[2], parts_l[2] = m, total
         return merge_step(parts_m, parts_l, parts_acc, acc, windows.rot_v_t, windows.mean_v, h, out, d)

@@ -119,6 +119,32 @@ class PageArena:
                 self.views[idx, kind] = (codes, scale, lo, norm)
         if offset > cache_tensor.numel():
             raise ValueError(f"The arena has {cache_tensor.numel()} bytes; its pages need {offset}.")
+        self._device = cache_tensor.device
+        self._gather_rows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def gather_rows(self, ids: tuple[int, ...], requests: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index tensors of a gather of ``requests`` requests' pages (``ids``: their blocks, request by request,
+        as many each): the rows of a part's [H * blocks, page] view in (request, head, page) order, so that the
+        gather is the contiguous [G, H, tokens, ...] tensor the kernels read, and the blocks themselves (the token
+        norms' rows). Every quantized layer of a step gathers the same pages: the last few are kept."""
+        found = self._gather_rows.get(ids)
+        if found is None:
+            blocks = torch.tensor(ids, dtype=torch.long, device=self._device)
+            pages = len(ids) // requests
+            rows = (torch.arange(self.heads, device=self._device)[None, :, None] * self.num_blocks
+                    + blocks.view(requests, 1, pages)).flatten()
+            if len(self._gather_rows) >= 8:
+                self._gather_rows.pop(next(iter(self._gather_rows)))
+            found = self._gather_rows[ids] = (rows, blocks)
+        return found
+
+
+def _widest_view(rows: torch.Tensor) -> torch.Tensor:
+    """A [rows, bytes] tensor's rows as int64 where their bytes allow (a row copy then moves 8 bytes at a time)."""
+    nbytes = rows.shape[1] * rows.element_size()
+    if nbytes % 8 == 0 and (rows.storage_offset() * rows.element_size()) % 8 == 0 and rows.is_contiguous():
+        return rows.view(torch.uint8).view(torch.int64)
+    return rows
 
 
 class PagedBody:
@@ -194,7 +220,7 @@ class PagedBody:
     def gather_padded(stores: list[PagedBody], tokens: list[int]) -> QuantizedBody:
         """The first ``tokens[g]`` body tokens of each request's store (one codec) as one :class:`QuantizedBody`
         ``[G, H, T, ...]`` of the longest's tokens: one gather over every request's pages, a request with fewer
-        pages padded with its own first page (the mask of :func:`~hf_kvint2.steps.decode_batch` hides it)."""
+        pages padded with its own first page (past its ``tokens[g]``: not attended)."""
         first = stores[0]
         p, n = first.arena.page_tokens, max(tokens)
         pages = max(1, -(-n // p))
@@ -202,16 +228,15 @@ class PagedBody:
         for store, t in zip(stores, tokens):
             own = store.block_ids[:max(1, -(-t // p))]
             ids.extend(own + [own[0]] * (pages - len(own)))
-        ids = torch.tensor(ids, dtype=torch.long, device=first.codes.device)
-        g, heads, blocks = len(stores), first.codes.shape[0], first.codes.shape[1]
-        # rows of the [H * blocks, page] view in (request, head, page) order: the gather is the contiguous
-        # [G, H, tokens, ...] tensor the kernels read, in one copy
-        rows = (torch.arange(heads, device=ids.device)[None, :, None] * blocks + ids.view(g, 1, pages)).flatten()
+        rows, norm_rows = first.arena.gather_rows(tuple(ids), len(stores))
+        g, heads = len(stores), first.codes.shape[0]
 
         def gathered(t: torch.Tensor) -> torch.Tensor:  # [H, blocks, rows, cols] -> [G, H, pages * rows, cols]
-            return t.reshape(heads * blocks, -1).index_select(0, rows).view(g, heads, -1, t.shape[-1])
+            flat = t.reshape(heads * t.shape[1], -1)
+            wide = _widest_view(flat)  # the same bytes copied 8 at a time where the rows allow
+            return wide.index_select(0, rows).view(t.dtype).view(g, heads, -1, t.shape[-1])
 
-        norm = None if first.norm is None else first.norm.index_select(0, ids).view(g, -1)
+        norm = None if first.norm is None else first.norm.index_select(0, norm_rows).view(g, -1)
         return QuantizedBody(first.codec, gathered(first.codes), gathered(first._scale_rows(first.scale)),
                              gathered(first._scale_rows(first.lo)), norm, n)
 
