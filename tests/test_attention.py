@@ -433,9 +433,10 @@ def test_numba_layer_step_reads_windows_by_row():
     got = numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=[3, 0],
                            after_tokens=[n_tail, n_tail - 3])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ValueError, match="after_tokens"):
-        numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=rows,
-                         after_tokens=[n_tail, n_tail + 8])
+    for wrong in ([n_tail, n_tail + 8], None):
+        with pytest.raises(ValueError, match="after_tokens"):
+            numba.layer_step(q, (sink_k, sink_v), kb, vb, (tail_k, tail_v), scaling=0.3, window_rows=rows,
+                             after_tokens=wrong)
     # body_tokens: a row with a shorter body (its mask hides the rest) skips those tokens; splits past it are empty
     short = torch.zeros(2, 1, 1, step.seq_len)
     short[1, ..., n0 + 8:n0 + n] = float("-inf")

@@ -116,11 +116,13 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
     else:
         arrays, window_of = (_window_array(k1, whole=True), _window_array(v1, whole=True)), \
             _per_row(window_rows, b, min(k0.shape[0], k1.shape[0]) - 1, "window_rows", "a row of the windows")
-        if not isinstance(after_tokens, int):
+        if after_tokens is None:
+            raise ValueError("window_rows needs after_tokens: the tokens of the windows after the body each row holds.")
+        if isinstance(after_tokens, (torch.Tensor, np.ndarray, list, tuple)):
             after_rows = _per_row(after_tokens, b, k1.shape[2], "after_tokens", "the windows' token slots")
             n1 = int(after_rows.max()) if b else 0
         else:
-            n1 = after_tokens
+            n1 = int(after_tokens)
             if not 0 <= n1 <= k1.shape[2]:
                 raise ValueError(f"after_tokens={n1} must be within the windows' {k1.shape[2]} token slots.")
             after_rows = _same_rows(b, n1)
@@ -167,7 +169,7 @@ def _per_row(values, b: int, most: int, name: str, what: str) -> np.ndarray:
     else:
         array = np.asarray(values, dtype=np.int64)
     if array.shape != (b,) or (b and (int(array.min()) < 0 or int(array.max()) > most)):
-        shown = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+        shown = values.tolist() if isinstance(values, torch.Tensor) else values
         raise ValueError(f"{name} must hold one value (0 .. {most}, {what}) for each of the {b} batch rows; got "
                          f"{shown}.")
     return array
