@@ -421,7 +421,7 @@ class OscarPagedAttentionCache(PagedAttentionCache):
 
 # The share of the KV budget a forward's widest activations may take by default (max_batch_tokens, below). Measured
 # on CPU (SmolLM2, 512 MiB), the process holds 2-3x a forward's live activations at its peak (attention temporaries
-# beside them, and what the allocator has not reused): with 3%, serving's RSS grew by 1.06-1.09x the budget.
+# beside them, and what the allocator has not reused): with 3%, serving's RSS grew by 1.06-1.16x the budget.
 ACTIVATION_SHARE = 0.03
 
 
