@@ -88,10 +88,11 @@ def precompile(artifacts=None) -> list[str]:
             run_layout(d, recipe)
         done.append(f"head_dim {d}, {str(scale_dtype).removeprefix('torch.')} scales: {len(recipes)} layouts "
                     f"({', '.join(sources)})")
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # as the attention passes K/V: strided and not
-        kv = torch.zeros(1, 2, 1, 4, dtype=dtype).transpose(1, 2)
-        cpu_kernels.all_finite(kv, kv)
-        cpu_kernels.all_finite(kv.contiguous(), kv.contiguous())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # as the attention passes K/V: strided or not, each
+        strided = torch.zeros(1, 2, 3, 4, dtype=dtype).transpose(1, 2)  # (size-1 dims would leave it contiguous)
+        for k in (strided, strided.contiguous()):
+            for v in (strided, strided.contiguous()):
+                cpu_kernels.all_finite(k, v)
     return done
 
 
