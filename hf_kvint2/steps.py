@@ -261,7 +261,6 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
     serving engine's window slots; each row's body and window lengths tell the fused step what to skip) or else
     padded to the longest, the padding masked. Returns [G, Hq, 1, D]."""
     first = steps[0]
-    n_tail = max(s.tail_k.shape[2] for s in steps)
     gather = type(first.stores[0]).gather_padded
     body_tokens = [s.body_tokens for s in steps]
     tail_tokens = [s.tail_k.shape[2] for s in steps]
@@ -277,7 +276,7 @@ def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) ->
                                   scaling=scaling, window_rows=[row for _, row in shared], after_tokens=tail_tokens,
                                   body_tokens=body_tokens, **backend.options(query))
     # columns: sink (every row's), body (each row's first body_tokens), tail (each row's window)
-    n_sink, n_body = first.sink_k.shape[2], max(body_tokens)
+    n_sink, n_body, n_tail = first.sink_k.shape[2], max(body_tokens), max(tail_tokens)
     col = torch.arange(n_sink + n_body + n_tail, device=query.device)
     body_end = n_sink + torch.tensor(body_tokens, device=query.device)[:, None]
     tail_end = n_sink + n_body + torch.tensor(tail_tokens, device=query.device)[:, None]

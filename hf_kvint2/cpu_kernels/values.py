@@ -13,7 +13,7 @@ from .jit import NUMBA
 if NUMBA:
     import numba
 
-    from .bits import fma, stored_value
+    from .bits import fma, stored_value, widen
     from .jit import njit
     from .keys import CODES
     from .softmax import row_sums
@@ -99,12 +99,15 @@ if NUMBA:
         token_norms = norm if norm.shape[0] > 0 else np.ones(ns, np.float32)
         lanes_acc = np.empty(rp * d, np.float32)  # (row chunk, byte chunk, row, code i, byte) order
         sums = np.empty(rp * 2, np.float32)  # per row: the weights' sum, the norm-weighted sum (the offsets')
+        v_scale, v_lo = np.empty(d, np.float32), np.empty(d, np.float32)  # the group's, widened once
         codes_flat, weights_flat = codes.reshape(-1), weights.reshape(-1)
         acc[:] = 0.0
         l_out[:] = 0.0
         for g0 in range(0, ns, group):
             g1 = min(ns, g0 + group)
             row = (t0 + g0) // group
+            widen(scale[row], v_scale, kind)
+            widen(lo[row], v_lo, kind)
             lanes_acc[:] = 0.0
             sums[:] = 0.0
             group_norms = token_norms[g0:g1]
@@ -122,9 +125,8 @@ if NUMBA:
                     for i in range(4):
                         for lane in range(width):
                             c = 4 * (m * width + lane) + i
-                            acc[r, c] = fma(stored_value(scale[row, c], kind),
-                                            lanes_acc[at + (m * LANES * 4 + i) * width + lane],
-                                            fma(stored_value(lo[row, c], kind), weighted, acc[r, c]))
+                            acc[r, c] = fma(v_scale[c], lanes_acc[at + (m * LANES * 4 + i) * width + lane],
+                                            fma(v_lo[c], weighted, acc[r, c]))
 
     @njit
     def channel_value_sums_plain(weights, codes, scale, lo, norm, group, t0, kind, live_rows, acc, l_out):
