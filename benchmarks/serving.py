@@ -121,30 +121,46 @@ def workload(tokenizer, requests: int, prompt_tokens: tuple[int, int], seed: int
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
-def rss_bytes() -> int:
+def rss_bytes() -> tuple[int, int]:
+    """(resident, file-backed resident) bytes: statm's resident and shared pages (shared: pages of mapped files,
+    libraries' code included, and shared memory); their difference is the anonymous memory the process allocated."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        fields = f.read().split()
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(fields[1]) * page, int(fields[2]) * page
 
 
 class RssSampler:
-    """The peak resident set size while it runs, sampled every ``interval`` seconds by a daemon thread."""
+    """The peak resident set size while it runs, sampled every ``interval`` seconds by a daemon thread; beside it,
+    the peak of its anonymous part (resident minus file-backed: allocations, not libraries' code paged in)."""
 
     def __init__(self, interval: float = 0.01):
-        self.start_bytes = self.peak_bytes = rss_bytes()
+        resident, shared = rss_bytes()
+        self.start_bytes = self.peak_bytes = resident
+        self.start_anon_bytes = self.peak_anon_bytes = resident - shared
         self._interval, self._stop = interval, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _sample(self):
+        resident, shared = rss_bytes()
+        self.peak_bytes = max(self.peak_bytes, resident)
+        self.peak_anon_bytes = max(self.peak_anon_bytes, resident - shared)
+
     def _run(self):
         while not self._stop.wait(self._interval):
-            self.peak_bytes = max(self.peak_bytes, rss_bytes())
+            self._sample()
 
     def stop(self) -> int:
         """Stops sampling; returns the peak growth over the RSS at start."""
         self._stop.set()
         self._thread.join()
-        self.peak_bytes = max(self.peak_bytes, rss_bytes())
+        self._sample()
         return self.peak_bytes - self.start_bytes
+
+    @property
+    def anon_growth_bytes(self) -> int:
+        return self.peak_anon_bytes - self.start_anon_bytes
 
 
 @dataclass
@@ -608,6 +624,7 @@ def worker(name: str, args) -> dict:
     row = {"contender": name, "label": contender.label, "full_precision": contender.full_precision,
            **summarize(trace, prompts), "rss_before_mib": sampler.start_bytes / 2**20,
            "peak_rss_growth_mib": growth / 2**20, "peak_rss_growth_vs_budget": growth / args.budget,
+           "peak_anon_rss_growth_mib": sampler.anon_growth_bytes / 2**20,
            "tokens": [trace.tokens[i] for i in sorted(trace.tokens)]}
     if row["completed"] != len(prompts):
         raise RuntimeError(f"{name}: {row['completed']} of {len(prompts)} requests completed")
