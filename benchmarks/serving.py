@@ -29,8 +29,9 @@ rows / time of the engine steps that hold only decode rows: prefill-free steps, 
 ``OffloadingManager.offload_requests``), peak concurrent requests (the scheduler's active requests, which hold KV),
 and the peak RSS growth over the RSS before the engine or cache was built (sampled every 10 ms; measured after the
 model's first forward and, for the INT2 contenders, a short generate that loads their compiled kernels: costs a
-process pays once, not with the requests it serves). Ratios are against
-the best full-precision contender of the same round; ``--rounds`` > 1 runs every contender once per round, in turn.
+process pays once, not with the requests it serves), beside it the peak growth of its anonymous part (allocations, not
+libraries' code paged in). Ratios are against the best full-precision contender of the same round; ``--rounds`` > 1
+runs every contender once per round, in turn.
 
     python benchmarks/serving.py                                 # the default workload -> results/serving_cpu.*
     python benchmarks/serving.py --requests 4 --prompt-tokens 256 256 --new-tokens 8 --out /tmp/serving.json
@@ -759,7 +760,8 @@ def main() -> None:
             "decode": "decode rows / wall time of engine steps without prefill tokens (scheduling included)",
             "rss": "peak RSS growth over the RSS before the engine or cache was built (after the model's first "
                    "forward and the INT2 kernels' loading from Numba's cache, compiled ahead by python -m "
-                   "hf_kvint2.precompile), sampled every 10 ms"}
+                   "hf_kvint2.precompile), sampled every 10 ms; peak_anon_rss_growth_mib: the same for its anonymous "
+                   "part (resident minus file-backed pages)"}
     write_results(args.out, meta, {"workload": workload_meta, "rows": rows}, plot)
     for row in rows:
         if "skipped" in row:
