@@ -145,32 +145,10 @@ def _dense_partial_fused_cpu(q, k, v, scaling, mask):
     return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
 
 
-# A chunk over its own tokens of CAUSAL_PIECES[0] .. CAUSAL_PIECES[1] - 1 tokens is attended in pieces of
-# CAUSAL_PIECES[2] queries. The fused kernel skips the key blocks above the diagonal only in blocks of 512 keys, so a
-# chunk of 512 computes its whole square; in pieces (each over the earlier keys without a mask, the GQA rows grouped,
-# then its own square) it computes little more than the triangle: a 512-token chunk (a serving engine's default
-# forward) ~15% faster on one core; from 1024 tokens the kernel's own skipping does as well.
-CAUSAL_PIECES = (448, 1024, 128)
-
-
 def _dense_partial_causal_fused_cpu(q, k, v, scaling):
     """:func:`dense_partial` of a chunk over its own tokens with the fused kernel's causal rule (no mask; it skips
     the blocks above the diagonal). Its causal rule needs one query row per position, so the chunk's K/V (Lq
-    tokens, small) are repeated to the query heads instead of grouping the queries. Chunks in the range of
-    :data:`CAUSAL_PIECES` are attended piece by piece."""
-    lq = q.shape[2]
-    low, high, piece = CAUSAL_PIECES
-    if low <= lq < high:
-        outs, lses = [], []
-        for a in range(0, lq, piece):
-            b = min(lq, a + piece)
-            out, lse = _dense_partial_causal_fused_cpu(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scaling)
-            if a:  # the piece over the chunk's earlier tokens, all before it
-                out, lse = merge_partials([_dense_partial_fused_cpu(q[:, :, a:b], k[:, :, :a], v[:, :, :a], scaling,
-                                                                    None), (out, lse)])
-            outs.append(out)
-            lses.append(lse)
-        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    tokens, small) are repeated to the query heads instead of grouping the queries."""
     g = q.shape[1] // k.shape[1]
     k, v = k.float(), v.float()
     if g > 1:

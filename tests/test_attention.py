@@ -629,16 +629,3 @@ def test_smollm2_fused_matches_portable(smollm2, cache):
     out = _generate(fused, make(), batch.input_ids, batch.attention_mask, max_new_tokens=8)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=TOL, rtol=0)
     assert torch.equal(out.sequences, ref.sequences)
-
-
-@pytest.mark.parametrize("query_len", [read_path.CAUSAL_PIECES[0] - 1, read_path.CAUSAL_PIECES[0] + 37])
-def test_a_long_chunk_over_its_own_tokens_in_pieces(query_len):
-    """The fused causal path of a chunk over its own tokens (in pieces from ``CAUSAL_PIECES[0]`` tokens: each piece
-    over the earlier tokens, then causally over itself) == the separate ops under the causal mask, GQA; fp32
-    rounding only."""
-    torch.manual_seed(0)
-    q, k, v = torch.randn(1, 6, query_len, 16), torch.randn(1, 2, query_len, 16), torch.randn(1, 2, query_len, 16)
-    want = read_path.dense_partial(q, k, v, 0.3, None, causal=True)
-    got = read_path.dense_partial(q, k, v, 0.3, None, fused=True, causal=True)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-5)
