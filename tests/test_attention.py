@@ -245,13 +245,13 @@ def test_body_kernels_agree(layout, groups, query_len):
     check_body_backends(LAYOUTS[layout], 16, groups, query_len)
 
 
-def test_body_kernels_agree_at_head_dim_24():
+@pytest.mark.parametrize("value_layout", [GroupLayout("token", 12, None, False), GroupLayout("channel", 8, None, False)])
+def test_body_kernels_agree_at_head_dim_24(value_layout):
     """head_dim 24 (6 bytes of codes per token: no vector width of the Numba kernel's key and value loops divides
-    it) with per-channel keys and 12-channel value groups: the kernel's scalar loops."""
+    it) with per-channel keys and 12-channel or per-channel value groups: the kernel's scalar loops."""
     rotation = torch.linalg.qr(torch.randn(24, 24, generator=torch.Generator().manual_seed(3)))[0]
     recipe = oscar_recipe(sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("channel", 8, None, True),
-                          value_layout=GroupLayout("token", 12, None, False), key_rotation=rotation,
-                          value_rotation=rotation)
+                          value_layout=value_layout, key_rotation=rotation, value_rotation=rotation)
     check_body_backends(recipe, 24, 2, 1)
 
 

@@ -13,7 +13,7 @@ from .jit import NUMBA
 if NUMBA:
     import numba
 
-    from .bits import fma, stored_value, widen
+    from .bits import fma, widen
     from .jit import njit
     from .keys import CODES
     from .softmax import row_sums
@@ -142,9 +142,8 @@ if NUMBA:
         for t in range(ns):
             if t0 + t == next_row:
                 row, next_row = row + 1, next_row + group
-                for c in range(d):
-                    v_scale[c] = stored_value(scale[row, c], kind)
-                    v_lo[c] = stored_value(lo[row, c], kind)
+                widen(scale[row], v_scale, kind)
+                widen(lo[row], v_lo, kind)
             nt = norm[t] if has_norm else np.float32(1.0)
             for j in range(d4):
                 byte = codes[t, j]
