@@ -44,7 +44,8 @@ def cpu_body_partial(q_rot, key_body, value_body, **kwargs):
 BODY_BACKENDS = {
     "triton": BodyBackend("triton", "cuda", kernels.triton_available, kernels.body_attention, takes_dot_dtype=True),
     "numba": BodyBackend("numba", "cpu", cpu_kernels.available, cpu_body_partial,
-                         layer_step=cpu_kernels.layer_step_attention, serves_layer_step=cpu_kernels.serves_layer_step),
+                         layer_step=cpu_kernels.layer_step_attention, serves_layer_step=cpu_kernels.serves_layer_step,
+                         reads_pages=True),
     "torch": TORCH_BODY,
 }
 

@@ -193,6 +193,9 @@ class BodyBackend:
     takes_dot_dtype: bool = False
     layer_step: Callable | None = None
     serves_layer_step: Callable[..., bool] = lambda query, key_body: False
+    # whether layer_step reads bodies where they are stored, an arena's pages through a page table
+    # (:class:`~hf_kvint2.stream.PagedQuantizedBody`), instead of a gathered copy
+    reads_pages: bool = False
 
     def options(self, query) -> dict:
         """Backend options that depend on the query (the model's dtype)."""

@@ -256,25 +256,32 @@ def _padded(tensors: list[torch.Tensor], length: int, dim: int) -> torch.Tensor:
 def decode_batch(steps: list[LayerStep], query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One decode step of several sequences in one call of the read path: query [G, Hq, 1, D] (row g: sequence
     g's new token), each sequence's :class:`LayerStep` (the same codecs and sink length: :meth:`LayerStep.batch_key`).
-    The bodies come from one gather of all their stores' pages (``gather_padded``: stores that stay in place); the
-    sinks and recent windows are read where they live (:meth:`~hf_kvint2.layers.OscarLayer.shared_windows`: a
+    The bodies are read in their pages where the backend's fused step reads pages (``read_pages``), else come from
+    one gather of all their stores' pages (``gather_padded``: stores that stay in place); the sinks and recent
+    windows are read where they live (:meth:`~hf_kvint2.layers.OscarLayer.shared_windows`: a
     serving engine's window slots; each row's body and window lengths tell the fused step what to skip) or else
     padded to the longest, the padding masked. Returns [G, Hq, 1, D]."""
     first = steps[0]
-    gather = type(first.stores[0]).gather_padded
+    store_type = type(first.stores[0])
     body_tokens = [s.body_tokens for s in steps]
     tail_tokens = [s.tail_k.shape[2] for s in steps]
-    bodies = [gather([s.stores[i] for s in steps], body_tokens) for i in (0, 1)]
+    stores = [[s.stores[i] for s in steps] for i in (0, 1)]
     backend = select_body_partial(query.device)
     shared = [s.layer.shared_windows() for s in steps]
-    if backend.layer_step is not None and backend.serves_layer_step(query, bodies[0]) and \
-            all(w is not None and w[0] is shared[0][0] for w in shared) and shared[0][0][2].dtype == torch.float32:
-        # the windows where they live (a serving engine's window slots, float32 as the kernel reads them): each row
-        # reads its own, nothing copied
-        sink_k, sink_v, recent_k, recent_v = shared[0][0]
-        return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
-                                  scaling=scaling, window_rows=[row for _, row in shared], after_tokens=tail_tokens,
-                                  body_tokens=body_tokens, **backend.options(query))
+    gather, read = store_type.gather_padded, None
+    if backend.layer_step is not None and all(w is not None and w[0] is shared[0][0] for w in shared) and \
+            shared[0][0][2].dtype == torch.float32:
+        # the windows where they live (a serving engine's window slots, float32 as the kernel reads them) and, where
+        # the backend reads pages, the bodies in their pages: each row reads its own, nothing copied
+        read = getattr(store_type, "read_pages", gather) if backend.reads_pages else gather
+        bodies = [read(x, body_tokens) for x in stores]
+        if backend.serves_layer_step(query, bodies[0]):
+            sink_k, sink_v, recent_k, recent_v = shared[0][0]
+            return backend.layer_step(query, (sink_k, sink_v), bodies[0], bodies[1], (recent_k, recent_v),
+                                      scaling=scaling, window_rows=[row for _, row in shared],
+                                      after_tokens=tail_tokens, body_tokens=body_tokens, **backend.options(query))
+    if read is not gather:
+        bodies = [gather(x, body_tokens) for x in stores]
     # columns: sink (every row's), body (each row's first body_tokens), tail (each row's window)
     n_sink, n_body, n_tail = first.sink_k.shape[2], max(body_tokens), max(tail_tokens)
     col = torch.arange(n_sink + n_body + n_tail, device=query.device)

@@ -102,6 +102,10 @@ class QuantizedBody:
     def group(self) -> int:
         return self.codec.group
 
+    @property
+    def heads(self) -> int:
+        return self.codes.shape[1]
+
     def rows_for(self, tokens: int) -> int:
         """Scale rows that cover the first ``tokens`` tokens."""
         return tokens if self.layout.axis == "token" else -(-tokens // self.group)
@@ -116,6 +120,43 @@ class QuantizedBody:
         norm = None if self.norm is None else self.norm[:, a0:a1]
         return self.codec.dequantize_groups(q, norm, rotated)[:, :, t0 - a0:t1 - a0]
 
+
+
+@dataclass(frozen=True, eq=False)
+class PagedQuantizedBody:
+    """Read-only INT2 tokens of several sequences where they are stored: pages of an arena (a serving engine's), each
+    sequence's in the order of its row of ``pages``. Read by the Numba kernel in place (no gather of the pages).
+
+    codes ``[H, blocks, page, D/4]`` uint8; scale / lo ``[H, blocks, page, D/G]`` (per-token groups) or
+    ``[H, blocks, page/G, D]`` (per-channel groups of ``G`` tokens, whole in a page); norm ``[blocks, page]`` or
+    None; pages ``[B, max pages]`` int64: sequence b's token t is row ``t % page`` of block ``pages[b, t // page]``.
+    ``tokens``: the longest sequence's (each attends its own, given by the reader's per-row lengths).
+    """
+
+    codec: StreamCodec
+    codes: torch.Tensor
+    scale: torch.Tensor
+    lo: torch.Tensor
+    norm: torch.Tensor | None
+    tokens: int
+    pages: torch.Tensor
+    buffers = None  # (as a QuantizedBody read from pages: no dynamic stream's buffers)
+
+    @property
+    def layout(self) -> GroupLayout:
+        return self.codec.layout
+
+    @property
+    def group(self) -> int:
+        return self.codec.group
+
+    @property
+    def heads(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def page_tokens(self) -> int:
+        return self.codes.shape[2]
 
 class QuantizedStream:
     """The growing INT2 body of one of K or V in a dynamic layer: packed codes, group scales/offsets and (with

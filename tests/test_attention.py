@@ -18,6 +18,7 @@ from hf_kvint2.cpu_kernels import calls as cpu_calls
 from hf_kvint2.layers import OscarLayer
 from hf_kvint2.recipes import GroupLayout
 from hf_kvint2.settings import oscar_recipe, oscar_scaled_recipe
+from hf_kvint2.stream import PagedQuantizedBody
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -449,6 +450,72 @@ def test_numba_layer_step_reads_windows_by_row():
     with pytest.raises(ValueError, match="body_tokens"):
         numba.layer_step(q, (step.sink_k, step.sink_v), kb, vb, (step.tail_k, step.tail_v), scaling=0.3,
                          body_tokens=torch.tensor([n + 1, 8]))
+
+
+def paged_copy(body, page: int, blocks: torch.Tensor, num_blocks: int) -> PagedQuantizedBody:
+    """``body`` [B, H, tokens, ...] copied into an arena of ``num_blocks`` pages of ``page`` tokens: batch row b's
+    page i at block ``blocks[b, i]`` (the rest of the arena random bytes: never read)."""
+    g = body.group if body.layout.axis == "channel" else 1
+    gen = torch.Generator().manual_seed(5)
+
+    def paged(t, rows):  # [B, H, R, C] -> [H, blocks, rows, C]
+        out = torch.randint(-100, 100, (t.shape[1], num_blocks, rows, t.shape[-1]), generator=gen).to(t.dtype)
+        for b in range(t.shape[0]):
+            for i, block in enumerate(blocks[b].tolist()):
+                part = t[b, :, i * rows:(i + 1) * rows]
+                out[:, block, :part.shape[1]] = part
+        return out
+
+    norm = None
+    if body.norm is not None:
+        norm = paged(body.norm[:, None, :, None], page)[0, :, :, 0].contiguous()
+    return PagedQuantizedBody(body.codec, paged(body.codes, page), paged(body.scale, page // g),
+                              paged(body.lo, page // g), norm, body.tokens, blocks)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs numba")
+@pytest.mark.parametrize("layout", [*sorted(LAYOUTS), "head_dim 24"])
+def test_numba_reads_pages_in_place(layout):
+    """Bodies read where they are stored, pages of an arena through a page table (a serving engine's decode step),
+    == the same tokens gathered into [B, H, tokens, ...]: the body partial and the whole-layer step with each row's
+    own body length (a last page partly filled, rows of different lengths, pages in any order), splits inside and
+    across pages; a page table that names blocks outside the arena or too few pages is refused."""
+    d = 24 if layout == "head_dim 24" else 16
+    if layout == "head_dim 24":
+        rotation = torch.linalg.qr(torch.randn(24, 24, generator=torch.Generator().manual_seed(3)))[0]
+        recipe = oscar_recipe(sink_tokens=0, recent_tokens=0, key_layout=GroupLayout("channel", 8, None, True),
+                              value_layout=GroupLayout("token", 12, None, False), key_rotation=rotation,
+                              value_rotation=rotation)
+    else:
+        recipe = LAYOUTS[layout]
+    torch.manual_seed(1)
+    layer = OscarLayer(recipe, 0)
+    for n in (40, 24):
+        layer.update(torch.randn(2, 2, n, d), torch.randn(2, 2, n, d))
+    n = layer.body_len - 8  # a last page partly filled
+    kb, vb = layer.key_body.read(n), layer.value_body.read(n)
+    page = 16
+    pages = -(-n // page)
+    blocks = torch.randperm(2 * pages + 3)[:2 * pages].view(2, pages)
+    kp, vp = (paged_copy(body, page, blocks, 2 * pages + 3) for body in (kb, vb))
+    q = torch.randn(2, 4, 1, d) @ kb.codec.rotation
+    for split in (None, 8, 24):
+        want, got = (cpu_kernels.body_attention(q, k, v, scaling=0.3, split=split) for k, v in ((kb, vb), (kp, vp)))
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    sink = (torch.randn(2, 2, 3, d), torch.randn(2, 2, 3, d))
+    tail = (torch.randn(2, 2, 5, d), torch.randn(2, 2, 5, d))
+    lengths = torch.tensor([n, n - 19])  # the second row ends inside an earlier page
+    for split in (None, 8):
+        want, got = (cpu_kernels.layer_step_attention(q, sink, k, v, tail, scaling=0.3, split=split,
+                                                      body_tokens=lengths) for k, v in ((kb, vb), (kp, vp)))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for wrong in (blocks[:, :pages - 1], blocks + 100, blocks[:1]):
+        with pytest.raises(ValueError, match="page table"):
+            k, v = (dataclasses.replace(body, pages=wrong) for body in (kp, vp))
+            cpu_kernels.layer_step_attention(q, sink, k, v, tail, scaling=0.3)
+    with pytest.raises(ValueError, match="same pages"):
+        cpu_kernels.layer_step_attention(q, sink, kp, vb, tail, scaling=0.3)
 
 
 @pytest.mark.parametrize("layout", sorted(STEP_LAYOUTS))

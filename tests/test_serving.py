@@ -140,20 +140,23 @@ def test_each_request_equals_its_own_cache(model, method, requests, monkeypatch)
 
 
 @needs_tested_engine
-def test_decode_batches_read_the_window_slots_in_place(model, monkeypatch):
+@pytest.mark.parametrize("method", ["oscar_scaled", "oscar"])
+def test_decode_batches_read_the_window_slots_in_place(model, method, monkeypatch):
     """A decode step of several requests reads their sinks and recent windows where they live (the engine's window
-    slots, by row) and equals the same step with the windows gathered and padded."""
+    slots, by row) and their bodies in their pages (the requests' page table), and equals the same step with the
+    windows and pages gathered and padded."""
     import dataclasses
 
     from hf_kvint2 import backends, cpu_kernels, steps
     from hf_kvint2.serving.engine import PagedOscarLayer
+    from hf_kvint2.stream import PagedQuantizedBody
 
     if not cpu_kernels.available():
         pytest.skip("needs numba (the kernel that reads windows by row)")
     batch, in_place, numba = steps.decode_batch, [], backends.BODY_BACKENDS["numba"]
 
     def by_row(*args, **kwargs):
-        by_row.rows += kwargs.get("window_rows") is not None
+        by_row.rows += kwargs.get("window_rows") is not None and isinstance(args[2], PagedQuantizedBody)
         return numba.layer_step(*args, **kwargs)
 
     by_row.rows = 0
@@ -172,7 +175,7 @@ def test_decode_batches_read_the_window_slots_in_place(model, monkeypatch):
     monkeypatch.setattr(steps, "decode_batch", checked)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(60, 400))] for _ in range(6)]
-    serve(model, TEMPLATES["oscar"](), prompts, [12] * 6, budget=24 << 20, slots=6, max_batch_tokens=4096,
+    serve(model, TEMPLATES[method](), prompts, [12] * 6, budget=24 << 20, slots=6, max_batch_tokens=4096,
           monkeypatch=monkeypatch)
     assert in_place and all(in_place)
 

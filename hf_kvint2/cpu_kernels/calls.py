@@ -81,8 +81,8 @@ def body_attention(q_rot, key_body, value_body, *, scaling, key_mean_logits=None
     out = np.empty((b, hkv, padded, d), np.float32)
     lse = np.empty((b, hkv, padded), np.float32)
     _run(threads, q.contiguous().numpy(), bias.numpy(), padded, _stream(key_body, b), _stream(value_body, b),
-         _no_windows(d), Mask(mask_rows.numpy(), 0, lq, _body_lengths(None, b, n)), n, split, scaling, False, out,
-         lse)
+         _no_windows(d), Mask(mask_rows.numpy(), 0, lq, _body_lengths(None, b, n)),
+         _page_table(key_body, value_body, b, n), n, split, scaling, False, out, lse)
     out_t, lse_t = torch.from_numpy(out), torch.from_numpy(lse)
     if padded != rows:
         out_t, lse_t = out_t[:, :, :rows], lse_t[:, :, :rows]
@@ -134,8 +134,10 @@ def layer_step_attention(query, before, key_body, value_body, after, *, scaling,
                       rot_v_t, mean_v, window_of)
     out = np.empty((b, hkv, rows, d), np.float32)
     lse = np.empty((b, hkv, rows), np.float32)
+    lengths = _body_lengths(body_tokens, b, n)
     _run(threads, q, _no_bias(), rows, _stream(key_body, b), _stream(value_body, b), windows,
-         Mask(mask_rows.numpy(), n0, lq, _body_lengths(body_tokens, b, n)), n, split, scaling, True, out, lse)
+         Mask(mask_rows.numpy(), n0, lq, lengths), _page_table(key_body, value_body, b, int(lengths.max(initial=0))), n,
+         split, scaling, True, out, lse)
     out = torch.from_numpy(out.reshape(b, hq, lq, d))
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
@@ -179,13 +181,13 @@ def serves_layer_step(query, key_body) -> bool:
     """Whether :func:`layer_step_attention` serves this query: CPU, eager, no gradient, at most
     ``SPLIT_MAX_ROWS`` query rows per KV head (decode steps and short chunks; a long chunk's window is the chunk
     itself, which SDPA's flash kernel attends faster)."""
-    rows = query.shape[1] // key_body.codes.shape[1] * query.shape[2]
+    rows = query.shape[1] // key_body.heads * query.shape[2]
     return (NUMBA and query.device.type == "cpu" and rows <= SPLIT_MAX_ROWS and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and query.requires_grad))
 
 
-def _run(threads: int, q, bias, rows: int, keys: Stream, values: Stream, windows: Windows, mask: Mask, n: int,
-         split: int, scaling: float, whole: bool, out: np.ndarray, lse: np.ndarray) -> None:
+def _run(threads: int, q, bias, rows: int, keys: Stream, values: Stream, windows: Windows, mask: Mask,
+         pages: np.ndarray, n: int, split: int, scaling: float, whole: bool, out: np.ndarray, lse: np.ndarray) -> None:
     """The kernel for this head_dim (compiled or loaded on first use; see :mod:`.kernel` for the arguments) on
     ``threads`` threads (:func:`kernel_threads`)."""
     import numba
@@ -199,7 +201,7 @@ def _run(threads: int, q, bias, rows: int, keys: Stream, values: Stream, windows
         _numba_threads.count = threads
     # the specialisation: head_dim and the scales' array types (int16 bits or float32)
     first_call(("attend", q.shape[-1], keys.scale.dtype, values.scale.dtype), kernel, q, bias, rows, keys, values,
-               windows, mask, n, split, np.float32(scaling), whole, out, lse)
+               windows, mask, pages, n, split, np.float32(scaling), whole, out, lse)
     if torch.get_num_threads() != torch_threads:  # both may use the OpenMP runtime: keep torch's setting
         torch.set_num_threads(torch_threads)
 
@@ -209,7 +211,7 @@ def _call_shapes(q, key_body, value_body, split: int | None, threads: int) -> tu
     (a positive multiple of the per-channel group sizes) or chosen by :func:`split_tokens` for ``threads``."""
     require_numba()
     b, hq, lq, d = q.shape
-    hkv = key_body.codes.shape[1]
+    hkv = key_body.heads
     rows = (hq // hkv) * lq
     align = 1
     for body in (key_body, value_body):
@@ -237,6 +239,32 @@ def _mask_rows(mask, b: int, cols: int) -> torch.Tensor:
     return add.expand(b, 1, add.shape[2], cols).reshape(b, -1, cols).contiguous()
 
 
+@functools.cache
+def _no_pages(batch: int) -> np.ndarray:
+    return np.zeros((batch, 0), np.int64)
+
+
+def _page_table(key_body, value_body, batch: int, tokens: int) -> np.ndarray:
+    """The kernel's page table: ``[B, 0]`` for bodies [B, H, tokens, ...]; for bodies read in place from an arena's
+    pages (:class:`~hf_kvint2.stream.PagedQuantizedBody`, both streams' the same table), the table, checked (one row
+    per batch row, pages for ``tokens`` tokens, every block in the arena: the kernel reads what it names)."""
+    pages, value_pages = getattr(key_body, "pages", None), getattr(value_body, "pages", None)
+    if pages is None and value_pages is None:
+        return _no_pages(batch)
+    if pages is None or value_pages is not pages or key_body.page_tokens != value_body.page_tokens:
+        raise ValueError("The keys' and values' bodies must be read from the same pages (one page table), or both "
+                         "be [B, H, tokens, ...] tensors.")
+    table = pages.detach().to("cpu", torch.int64).contiguous().numpy()
+    need = -(-tokens // key_body.page_tokens)
+    blocks = min(key_body.codes.shape[1], value_body.codes.shape[1])
+    if table.ndim != 2 or table.shape[0] != batch or table.shape[1] < need or \
+            (need and (int(table[:, :need].min()) < 0 or int(table[:, :need].max()) >= blocks)):
+        raise ValueError(f"The page table must be [{batch}, >= {need}] (the batch's rows, pages of "
+                         f"{key_body.page_tokens} tokens for {tokens} tokens) of blocks 0 .. {blocks - 1}; got "
+                         f"{tuple(table.shape)} with blocks {table.min(initial=0)} .. {table.max(initial=0)}.")
+    return table
+
+
 def _stream(body, batch: int) -> Stream:
     """A :class:`~hf_kvint2.stream.QuantizedBody` as the kernel's record: its tensors as numpy arrays (the
     buffers themselves, with their spare capacity: the kernel reads the rows in use), scales, offsets and norms as
@@ -244,6 +272,13 @@ def _stream(body, batch: int) -> Stream:
     scale, lo, norm = body.scale, body.lo, body.norm
     dtype = scale.dtype
     kind = _KINDS.get(dtype, 2)
+    if getattr(body, "pages", None) is not None:  # an arena's pages, read in place: never copied
+        if lo.dtype != dtype or (norm is not None and norm.dtype != dtype) or (kind == 2 and dtype != torch.float32) or \
+                not all(t.is_contiguous() for t in (body.codes, scale, lo, *(() if norm is None else (norm,)))):
+            raise ValueError("Pages read in place must be contiguous, their scales, offsets and norms of one dtype.")
+        bits = (lambda t: t.numpy()) if kind == 2 else (lambda t: t.view(torch.int16).numpy())
+        return Stream(body.codes.numpy(), bits(scale), bits(lo), _no_norm(1, kind) if norm is None else bits(norm),
+                      body.layout.axis == "token", body.group, kind)
     buffers = body.buffers
     if buffers is not None and buffers[0].data is body.codes and lo.dtype == dtype and \
             (norm is None or norm.dtype == dtype):

@@ -25,7 +25,9 @@ from .jit import NUMBA
 
 # One stream (keys or values) of the body: codes [B, H, >= n, D/4] uint8; scale / lo [B, H, rows, D/G] (per-token
 # groups of G channels) or [B, H, rows, D] (per-channel groups of G tokens), float16 / bfloat16 bits (int16) or
-# float32 (``kind``, see bits.SCALE_KINDS); norm [B, >= n] token norms or [B, 0]; token_axis: per-token groups.
+# float32 (``kind``, see bits.SCALE_KINDS); norm [B, >= n] token norms or [B, 0]; token_axis: per-token groups. Or
+# an arena's pages: the same arrays with [H, blocks, page] for [B, H, tokens] (norm [blocks, page] or [1, 0]), read
+# through a page table (make_kernel's ``pages``).
 Stream = namedtuple("Stream", ["codes", "scale", "lo", "norm", "token_axis", "group", "kind"])
 # The layer step's full-precision windows and codecs: k0 / v0 [W, H, n0, D] before the body (the sink), k1 / v1
 # [W, H, >= n1, D] after it (the recent window and the current chunk: batch row b attends its first n1[b] tokens,
@@ -68,15 +70,16 @@ if NUMBA:
     from .windows import merge_step, rotate_query, window_partial
 
     @njit(inline="always")
-    def split_key_scores(scores, part_m, q, bias, keys, tables, qsum, b, h, t0, live_rows, d4, width, fast_a, fast_b,
-                         fast_c):
-        """A split's scores [ns, RP] (tokens t0 ..) of query rows ``q [RP, D]`` with ``bias [RP]``; per-token keys
+    def split_key_scores(scores, part_m, q, bias, keys, codes, scale, lo, norm, tables, qsum, t0, live_rows, d4, width,
+                         fast_a, fast_b, fast_c):
+        """A split's scores [ns, RP] (tokens t0 .. of one (batch row, KV head)'s ``codes [tokens, D/4]``, ``scale`` /
+        ``lo`` rows and ``norm [tokens]`` or empty) of query rows ``q [RP, D]`` with ``bias [RP]``; per-token keys
         also set the rows' max score ``part_m [RP]``. Returns whether they did."""
         ns = scores.shape[0]
-        k_norm = stored_norms(keys.norm[b], t0, ns if keys.norm.shape[1] > 0 else 0, keys.kind)
-        k_codes = keys.codes[b, h, t0:t0 + ns]
+        k_norm = stored_norms(norm, t0, ns if norm.shape[0] > 0 else 0, keys.kind)
+        k_codes = codes[t0:t0 + ns]
         if keys.token_axis:
-            k_scale, k_lo = stored_rows(keys.scale[b, h], keys.lo[b, h], t0, ns, keys.kind)
+            k_scale, k_lo = stored_rows(scale, lo, t0, ns, keys.kind)
             gb = keys.group // 4
             fast = keys.group % 4 == 0 and (gb == fast_a or gb == fast_b or gb == fast_c)
             if not fast and keys.group % 4:  # groups smaller than a byte's four channels: no tables
@@ -92,22 +95,24 @@ if NUMBA:
                     token_key_scores(scores, part_m, tables, qsum, k_codes, k_scale, k_lo, k_norm, bias, d4, fast_c)
             return True
         g0 = t0 // keys.group
-        k_scale, k_lo = stored_rows(keys.scale[b, h], keys.lo[b, h], g0, -(-ns // keys.group), keys.kind)
-        norm = k_norm if k_norm.shape[0] > 0 else np.ones(ns, np.float32)
-        channel_key_scores_split(scores, q, bias, k_codes, k_scale, k_lo, norm, keys.group, live_rows, d4, width)
+        k_scale, k_lo = stored_rows(scale, lo, g0, -(-ns // keys.group), keys.kind)
+        norm_f = k_norm if k_norm.shape[0] > 0 else np.ones(ns, np.float32)
+        channel_key_scores_split(scores, q, bias, k_codes, k_scale, k_lo, norm_f, keys.group, live_rows, d4, width)
         return False
 
     @njit(inline="always")
-    def split_value_sums(weights, values, b, h, t0, live_rows, acc, l_out, d4, width, fast_a, fast_b, fast_c):
-        """A split's value sum ``acc [RP, D]`` and weight sum ``l_out [RP]`` from its weights [ns, RP]."""
+    def split_value_sums(weights, values, codes, scale, lo, norm, t0, live_rows, acc, l_out, d4, width, fast_a,
+                         fast_b, fast_c):
+        """A split's value sum ``acc [RP, D]`` and weight sum ``l_out [RP]`` from its weights [ns, RP] (tokens t0 ..
+        of one (batch row, KV head)'s arrays, as :func:`split_key_scores` reads them)."""
         ns = weights.shape[0]
-        v_norm = stored_norms(values.norm[b], t0, ns if values.norm.shape[1] > 0 else 0, values.kind)
-        v_codes = values.codes[b, h, t0:t0 + ns]
+        v_norm = stored_norms(norm, t0, ns if norm.shape[0] > 0 else 0, values.kind)
+        v_codes = codes[t0:t0 + ns]
         if not values.token_axis:
-            channel_value_sums(weights, v_codes, values.scale[b, h], values.lo[b, h], v_norm, values.group, t0,
-                               values.kind, live_rows, acc, l_out, d4, width)
+            channel_value_sums(weights, v_codes, scale, lo, v_norm, values.group, t0, values.kind, live_rows, acc,
+                               l_out, d4, width)
             return
-        v_scale, v_lo = stored_rows(values.scale[b, h], values.lo[b, h], t0, ns, values.kind)
+        v_scale, v_lo = stored_rows(scale, lo, t0, ns, values.kind)
         gb = values.group // 4
         fast = values.group % 4 == 0 and (gb == fast_a or gb == fast_b or gb == fast_c)
         if not fast:
@@ -121,18 +126,67 @@ if NUMBA:
                 token_value_sums(weights, v_codes, v_scale, v_lo, v_norm, live_rows, acc, l_out, d4, fast_c, width)
 
     @njit(inline="always")
-    def split_partial(q, bias, keys, values, mask, tables, qsum, b, h, t0, t1, live_rows, part_m, part_l, part_acc,
-                      d4, width, fast_a, fast_b, fast_c):
+    def copy_rows(out, at, rows, r0, n):
+        """out[at:at + n] = rows[r0:r0 + n] (C-contiguous [rows, X] arrays), as one flat loop."""
+        width = out.shape[1]
+        flat_out = out.reshape(-1)[at * width:(at + n) * width]
+        flat_in = rows.reshape(-1)[r0 * width:(r0 + n) * width]
+        for k in range(n * width):
+            flat_out[k] = flat_in[k]
+
+    @njit(inline="always")
+    def task_rows(stream, pages, b, h, t0, t1):
+        """Batch row b's tokens t0 .. t1 (t0 a group boundary) of KV head h from an arena's pages (``stream``'s
+        arrays [H, blocks, page, ...], page i at block ``pages[b, i]``), copied into contiguous arrays ``(codes
+        [n, D/4], scale, lo [rows, ...], norm [n] or empty)`` as stored: one task's share of what a gather copies,
+        made where it is read (cache-hot, no arena-sized temporaries); the task then reads it as a gathered body."""
+        page, n = stream.codes.shape[2], t1 - t0
+        g = 1 if stream.token_axis else stream.group
+        rows = -(-n // g)
+        codes = np.empty((n, stream.codes.shape[3]), stream.codes.dtype)
+        scale = np.empty((rows, stream.scale.shape[3]), stream.scale.dtype)
+        lo = np.empty((rows, stream.lo.shape[3]), stream.lo.dtype)
+        normed = stream.norm.shape[1] > 0
+        norm = np.empty(n if normed else 0, stream.norm.dtype)
+        t = t0
+        while t < t1:
+            i = t // page
+            at, stop = t - i * page, min(t1, (i + 1) * page)
+            block = pages[b, i]
+            copy_rows(codes, t - t0, stream.codes[h, block], at, stop - t)
+            r0, r1 = (t - t0) // g, -(-(stop - t0) // g)
+            copy_rows(scale, r0, stream.scale[h, block], at // g, r1 - r0)
+            copy_rows(lo, r0, stream.lo[h, block], at // g, r1 - r0)
+            if normed:
+                norm_out, norm_in = norm[t - t0:stop - t0], stream.norm[block, at:at + stop - t]
+                for k in range(stop - t):
+                    norm_out[k] = norm_in[k]
+            t = stop
+        return codes, scale, lo, norm
+
+    @njit(inline="always")
+    def split_partial(q, bias, keys, values, mask, pages, tables, qsum, b, h, t0, t1, live_rows, part_m, part_l,
+                      part_acc, d4, width, fast_a, fast_b, fast_c):
         """One parallel task: the partial attention of query rows ``q [RP, D]`` (``bias [RP]``) over body tokens
         t0 .. t1 of (batch row b, KV head h): the rows' max score ``part_m [RP]``, weight sum ``part_l [RP]`` and
         unnormalised value sum ``part_acc [RP, D]`` (rotated space). ``tables`` / ``qsum``: the key tables of
-        this (b, h) (per-token keys). ``d4``, ``width`` and ``fast_*`` (see :func:`fast_group_bytes`) are literals."""
+        this (b, h) (per-token keys). ``pages``: see :func:`make_kernel` (no columns: the streams' arrays are
+        [B, H, tokens, ...]). ``d4``, ``width`` and ``fast_*`` (see :func:`fast_group_bytes`) are literals."""
         scores = np.empty((max(t1 - t0, 0), q.shape[0]), np.float32)
-        max_taken = split_key_scores(scores, part_m, q, bias, keys, tables, qsum, b, h, t0, live_rows, d4, width,
-                                     fast_a, fast_b, fast_c)
+        if pages.shape[1] == 0:
+            k_codes, k_scale, k_lo, k_norm = keys.codes[b, h], keys.scale[b, h], keys.lo[b, h], keys.norm[b]
+            v_codes, v_scale, v_lo, v_norm = values.codes[b, h], values.scale[b, h], values.lo[b, h], values.norm[b]
+            at = t0
+        else:
+            k_codes, k_scale, k_lo, k_norm = task_rows(keys, pages, b, h, t0, t1)
+            v_codes, v_scale, v_lo, v_norm = task_rows(values, pages, b, h, t0, t1)
+            at = 0
+        max_taken = split_key_scores(scores, part_m, q, bias, keys, k_codes, k_scale, k_lo, k_norm, tables, qsum, at,
+                                     live_rows, d4, width, fast_a, fast_b, fast_c)
         add_mask(scores, mask.add, b, mask.query_len, mask.col0 + t0)
         split_weights(scores, part_m, max_taken and mask.add.shape[1] == 0)
-        split_value_sums(scores, values, b, h, t0, live_rows, part_acc, part_l, d4, width, fast_a, fast_b, fast_c)
+        split_value_sums(scores, values, v_codes, v_scale, v_lo, v_norm, at, live_rows, part_acc, part_l, d4, width,
+                         fast_a, fast_b, fast_c)
 
     @njit(inline="always")
     def body_output(m, total, acc, out):
@@ -173,11 +227,15 @@ def make_kernel(d: int):
     # parallel loops only where the code says prange (no array expression becomes one)
     @njit(parallel={"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
                     "setitem": False, "numpy": False, "stencil": False, "fusion": False})
-    def attend(q_in, bias_in, rows, keys, values, windows, mask, n, split, scaling, whole, out, lse):
+    def attend(q_in, bias_in, rows, keys, values, windows, mask, pages, n, split, scaling, whole, out, lse):
         """Body (``whole`` False): ``q_in [B, H, RP, D]`` rotated and scaled (RP a multiple of LANES; padding
         rows zero), ``bias_in [B, H, RP]``; ``out [B, H, RP, D]`` / ``lse [B, H, RP]`` the normalised body
         partial. Layer step (``whole``): ``q_in [B, H, rows, D]`` in the original space, unscaled; ``out [B,
-        H, rows, D]`` the step's attention output. Body tokens 0 .. n in splits of ``split`` tokens."""
+        H, rows, D]`` the step's attention output. Body tokens 0 .. n in splits of ``split`` tokens. ``pages
+        [B, max pages]`` int64: the streams' arrays are an arena's pages [H, blocks, page, ...] (norms [blocks,
+        page] or [1, 0]) and batch row b's body token t is row t % page of block ``pages[b, t // page]``: each task
+        copies its own tokens (:func:`task_rows`), where a gather before the call would copy every row's pages into
+        arena-sized temporaries for each layer. ``[B, 0]``: the arrays are [B, H, tokens, ...]."""
         b_size, h_size = q_in.shape[0], q_in.shape[1]
         nbh = b_size * h_size
         rp = -(-q_in.shape[2] // LANES) * LANES
@@ -214,8 +272,8 @@ def make_kernel(d: int):
             if s * split >= t1:  # past this row's body: a split that attends nothing (the merge skips it)
                 part_m[bh, s, :] = -np.inf
                 continue
-            split_partial(q[b, h], bias[b, h], keys, values, mask, tables[bh], qsum[bh], b, h, s * split, t1,
-                          live_rows, part_m[bh, s], part_l[bh, s], part_acc[bh, s], d4, width, fast_a, fast_b,
+            split_partial(q[b, h], bias[b, h], keys, values, mask, pages, tables[bh], qsum[bh], b, h, s * split,
+                          t1, live_rows, part_m[bh, s], part_l[bh, s], part_acc[bh, s], d4, width, fast_a, fast_b,
                           fast_c)
         rows_out = out.shape[2]
         for item in numba.prange(nbh * rows_out):  # one fork and join for the merge and what follows it

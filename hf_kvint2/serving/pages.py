@@ -9,7 +9,8 @@ layout has them. The arena is laid out by part, not by block, head-major inside 
               | V codes | ... | layer b: ... ]
 
 so that one request's pages of a part gather into the ``[1, H, tokens, ...]`` tensor the body kernels read with
-one copy (``index_select`` over the block axis, then a free view). A page's tokens are whole quantization groups
+one copy (``index_select`` over the block axis, then a free view); the Numba kernel's decode steps read them in
+place instead, through the requests' page table (:meth:`PagedBody.read_pages`). A page's tokens are whole quantization groups
 of one request (``page_tokens`` is a multiple of every layer's demotion block), so per-channel key groups never
 mix requests or straddle pages. :class:`PagedBody` is one request's key or value body of one layer over its
 blocks: the store an :class:`~hf_kvint2.layers.OscarLayer` writes demoted tokens into and reads as a
@@ -25,7 +26,7 @@ import torch
 
 from ..quant import QuantizedGroups
 from ..recipes import LayerRecipe
-from ..stream import QuantizedBody, StreamCodec
+from ..stream import PagedQuantizedBody, QuantizedBody, StreamCodec
 
 # Every region of a block starts at a multiple of this many bytes (the scales are viewed as float16 / float32).
 REGION_ALIGN = 16
@@ -121,6 +122,7 @@ class PageArena:
             raise ValueError(f"The arena has {cache_tensor.numel()} bytes; its pages need {offset}.")
         self._device = cache_tensor.device
         self._gather_rows: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._page_tables: dict[tuple, torch.Tensor] = {}
 
     def gather_rows(self, ids: tuple[int, ...], requests: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The index tensors of a gather of ``requests`` requests' pages (``ids``: their blocks, request by request,
@@ -136,6 +138,17 @@ class PageArena:
             if len(self._gather_rows) >= 8:
                 self._gather_rows.pop(next(iter(self._gather_rows)))
             found = self._gather_rows[ids] = (rows, blocks)
+        return found
+
+    def page_table(self, ids: tuple[int, ...], requests: int) -> torch.Tensor:
+        """The page table [requests, pages] of ``requests`` requests' blocks (``ids``, request by request, as many
+        each) for the kernel that reads pages in place. Every quantized layer of a step reads the same pages: the last
+        few tables are kept."""
+        found = self._page_tables.get(ids)
+        if found is None:
+            if len(self._page_tables) >= 8:
+                self._page_tables.pop(next(iter(self._page_tables)))
+            found = self._page_tables[ids] = torch.tensor(ids, dtype=torch.long).view(requests, -1)
         return found
 
 
@@ -217,18 +230,36 @@ class PagedBody:
         return self.gather_padded([self], [self._tokens if tokens is None else tokens])
 
     @staticmethod
+    def _padded_block_ids(stores: list[PagedBody], tokens: list[int]) -> tuple[int, ...]:
+        """The blocks holding the first ``tokens[g]`` body tokens of each store, request by request, as many for each
+        as the longest needs: a request with fewer padded with its own first page (past its tokens: never read)."""
+        p = stores[0].arena.page_tokens
+        pages = max(1, -(-max(tokens) // p))
+        ids = []
+        for store, t in zip(stores, tokens):
+            own = store.block_ids[:max(1, -(-t // p))]
+            ids.extend(own + [own[0]] * (pages - len(own)))
+        return tuple(ids)
+
+    @staticmethod
+    def read_pages(stores: list[PagedBody], tokens: list[int]) -> PagedQuantizedBody:
+        """The first ``tokens[g]`` body tokens of each request's store (one codec) where they are: the arena's pages
+        and the requests' page table (:class:`~hf_kvint2.stream.PagedQuantizedBody`), for the kernel that reads
+        them in place; nothing is copied."""
+        first = stores[0]
+        table = first.arena.page_table(PagedBody._padded_block_ids(stores, tokens), len(stores))
+        return PagedQuantizedBody(first.codec, first.codes, first._scale_rows(first.scale),
+                                  first._scale_rows(first.lo), first.norm, max(tokens), table)
+
+    @staticmethod
     def gather_padded(stores: list[PagedBody], tokens: list[int]) -> QuantizedBody:
         """The first ``tokens[g]`` body tokens of each request's store (one codec) as one :class:`QuantizedBody`
         ``[G, H, T, ...]`` of the longest's tokens: one gather over every request's pages, a request with fewer
         pages padded with its own first page (past its ``tokens[g]``: not attended)."""
         first = stores[0]
-        p, n = first.arena.page_tokens, max(tokens)
-        pages = max(1, -(-n // p))
-        ids = []
-        for store, t in zip(stores, tokens):
-            own = store.block_ids[:max(1, -(-t // p))]
-            ids.extend(own + [own[0]] * (pages - len(own)))
-        rows, norm_rows = first.arena.gather_rows(tuple(ids), len(stores))
+        n = max(tokens)
+        ids = PagedBody._padded_block_ids(stores, tokens)
+        rows, norm_rows = first.arena.gather_rows(ids, len(stores))
         g, heads = len(stores), first.codes.shape[0]
 
         def gathered(t: torch.Tensor) -> torch.Tensor:  # [H, blocks, rows, cols] -> [G, H, pages * rows, cols]
