@@ -78,13 +78,9 @@ class StreamCodec:
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizedBody:
-    """Read-only INT2 tokens ``[0, tokens)`` of one stream: what every body-partial backend reads.
-
-    codes ``[B, H, >= tokens, D/4]`` uint8; scale / lo ``[B, H, rows, D/G]`` (per-token groups) or
-    ``[B, H, rows, D]`` (per-channel groups of ``G`` tokens); norm ``[B, >= tokens]`` or None. The tensors may hold
-    more rows than ``tokens`` (a dynamic layer's capacity, a static layer's whole body); readers ignore them.
-    """
+class _StoredTokens:
+    """What every INT2 body holds: its codec, packed codes, group scales and offsets, token norms (or None) and
+    the tokens its readers attend; the group layout and size are the codec's."""
 
     codec: StreamCodec
     codes: torch.Tensor
@@ -92,7 +88,6 @@ class QuantizedBody:
     lo: torch.Tensor
     norm: torch.Tensor | None
     tokens: int
-    buffers: tuple[TokenBuffer, ...] | None = None  # codes, scale, lo (, norm): a dynamic stream's, which hold them
 
     @property
     def layout(self) -> GroupLayout:
@@ -101,6 +96,18 @@ class QuantizedBody:
     @property
     def group(self) -> int:
         return self.codec.group
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedBody(_StoredTokens):
+    """Read-only INT2 tokens ``[0, tokens)`` of one stream: what every body-partial backend reads.
+
+    codes ``[B, H, >= tokens, D/4]`` uint8; scale / lo ``[B, H, rows, D/G]`` (per-token groups) or
+    ``[B, H, rows, D]`` (per-channel groups of ``G`` tokens); norm ``[B, >= tokens]`` or None. The tensors may hold
+    more rows than ``tokens`` (a dynamic layer's capacity, a static layer's whole body); readers ignore them.
+    """
+
+    buffers: tuple[TokenBuffer, ...] | None = None  # codes, scale, lo (, norm): a dynamic stream's, which hold them
 
     @property
     def heads(self) -> int:
@@ -123,7 +130,7 @@ class QuantizedBody:
 
 
 @dataclass(frozen=True, eq=False)
-class PagedQuantizedBody:
+class PagedQuantizedBody(_StoredTokens):
     """Read-only INT2 tokens of several sequences where they are stored: pages of an arena (a serving engine's), each
     sequence's in the order of its row of ``pages``. Read by the Numba kernel in place (no gather of the pages).
 
@@ -133,22 +140,8 @@ class PagedQuantizedBody:
     ``tokens``: the longest sequence's (each attends its own, given by the reader's per-row lengths).
     """
 
-    codec: StreamCodec
-    codes: torch.Tensor
-    scale: torch.Tensor
-    lo: torch.Tensor
-    norm: torch.Tensor | None
-    tokens: int
     pages: torch.Tensor
     buffers = None  # (as a QuantizedBody read from pages: no dynamic stream's buffers)
-
-    @property
-    def layout(self) -> GroupLayout:
-        return self.codec.layout
-
-    @property
-    def group(self) -> int:
-        return self.codec.group
 
     @property
     def heads(self) -> int:
@@ -157,6 +150,7 @@ class PagedQuantizedBody:
     @property
     def page_tokens(self) -> int:
         return self.codes.shape[2]
+
 
 class QuantizedStream:
     """The growing INT2 body of one of K or V in a dynamic layer: packed codes, group scales/offsets and (with
