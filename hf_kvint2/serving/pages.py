@@ -10,9 +10,9 @@ layout has them. The arena is laid out by part, not by block, head-major inside 
 
 so that one request's pages of a part gather into the ``[1, H, tokens, ...]`` tensor the body kernels read with
 one copy (``index_select`` over the block axis, then a free view); the Numba kernel's decode steps read them in
-place instead, through the requests' page table (:meth:`PagedBody.read_pages`). A page's tokens are whole quantization groups
-of one request (``page_tokens`` is a multiple of every layer's demotion block), so per-channel key groups never
-mix requests or straddle pages. :class:`PagedBody` is one request's key or value body of one layer over its
+place instead, through the requests' page table (:meth:`PagedBody.read_pages`). A page's tokens are whole
+quantization groups of one request (``page_tokens`` is a multiple of every layer's demotion block), so per-channel
+key groups never mix requests or straddle pages. :class:`PagedBody` is one request's key or value body of one layer over its
 blocks: the store an :class:`~hf_kvint2.layers.OscarLayer` writes demoted tokens into and reads as a
 :class:`~hf_kvint2.stream.QuantizedBody`, with the interface of :class:`~hf_kvint2.stream.QuantizedStream`.
 """
